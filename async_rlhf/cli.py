@@ -1,0 +1,64 @@
+"""`async-rlhf` command line.
+
+Each subcommand lives in the module that owns it, which provides `add_arguments(parser)` and
+`run(args) -> int`; this file only lists them, so `async-rlhf --help` stays fast (heavy imports
+happen inside `run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("async_rlhf.launcher", "run a training job (generators + learner + Redis stream)"),
+    "init-model": ("actors.model_init", "build a random-init Llama-style model and tokenizer offline"),
+    "bench-queue": ("buffer.bench", "experience-stream throughput vs raw redis-py"),
+    "bench-gen": ("actors.bench", "generation throughput: vLLM engine vs transformers"),
+    "bench-learner": ("learners.bench", "learner throughput and time split"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="async-rlhf", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    modules = {}
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            modules[name] = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue  # not built yet: the subcommand says so when run
+        modules[name].add_arguments(p)
+    args = parser.parse_args(argv)
+    if args.command not in modules:
+        print(f"async-rlhf {args.command}: not available yet in this version", file=sys.stderr)
+        return 2
+    return int(modules[args.command].run(args) or 0)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The config arguments shared by commands that run a job: --config, flags, key=value."""
+    parser.add_argument("--config", help="YAML config file (defaults apply to what it omits)")
+    parser.add_argument("--max-staleness", type=int, help="k: max policy versions a trajectory may lag")
+    parser.add_argument("--job", help="job name (Ray namespace)")
+    parser.add_argument("--out", help="output directory")
+    parser.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. learner.lr=1e-5")
+
+
+def config_from_args(args: argparse.Namespace):
+    from async_rlhf.config import load_config
+
+    overrides = list(args.overrides)
+    for flag, key in (("max_staleness", "max_staleness"), ("job", "job"), ("out", "out")):
+        if getattr(args, flag, None) is not None:
+            overrides.append(f"{key}={getattr(args, flag)}")
+    return load_config(args.config, overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

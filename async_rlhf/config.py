@@ -1,0 +1,293 @@
+"""One typed config: YAML file + `key=value` overrides, checked once at start.
+
+Every section is a frozen dataclass. Unknown keys are errors; every value is checked against its
+annotation (Literal choices included) and its range, and errors name the key, the value and what
+is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} must be {allowed}, got {value!r}")
+
+
+def _check_type(key: str, value: Any, hint: Any) -> Any:
+    """Check `value` against a type hint; return it (ints accepted where floats are expected)."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        _check(value in choices, key, value, "one of " + ", ".join(map(repr, choices)))
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check_type(key, value, inner)
+    if origin is tuple:
+        _check(isinstance(value, (list, tuple)), key, value, "a list")
+        (inner, _) = typing.get_args(hint)
+        return tuple(_check_type(f"{key}[{i}]", v, inner) for i, v in enumerate(value))
+    if dataclasses.is_dataclass(hint):
+        _check(isinstance(value, hint), key, value, f"a {hint.__name__} mapping")
+        return value
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        _check(ok, key, value, "a number")
+        return float(value)
+    if hint is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), key, value, "an integer")
+        return value
+    _check(isinstance(value, hint), key, value, f"of type {hint.__name__}")
+    return value
+
+
+class _Section:
+    """Type-checks every field after construction; subclasses add range checks in `_validate`."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = _check_type(f"{self._prefix}{f.name}", getattr(self, f.name), hints[f.name])
+            object.__setattr__(self, f.name, value)
+        self._validate()
+
+    _prefix = ""
+
+    def _validate(self) -> None:
+        pass
+
+    def _positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            _check(value > 0, self._prefix + name, value, "> 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    _prefix = "model."
+    path: str = "runs/models/tiny"  # HF model directory; built by `async-rlhf init-model` if absent
+    preset: Literal["tiny", "small"] = "tiny"  # what init-model builds when `path` does not exist
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    _prefix = "data."
+    source: Literal["task", "jsonl", "hf_dataset"] = "task"
+    task: str = "count"  # built-in task name when source == "task"
+    path: str = ""  # JSONL file or dataset directory for the other sources
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+
+    def _validate(self) -> None:
+        if self.source != "task":
+            _check(bool(self.path), "data.path", self.path, f"set when data.source={self.source}")
+
+
+@dataclass(frozen=True)
+class RewardSpec(_Section):
+    _prefix = "reward."
+    kind: Literal["function", "model", "http"] = "function"
+    target: str = ""  # module:function, a model directory, or a URL
+    weight: float = 1.0
+    timeout_s: float = 10.0
+    retries: int = 2
+
+    def _validate(self) -> None:
+        _check(bool(self.target), "reward.target", self.target, "a module:function, path or URL")
+        self._positive("timeout_s")
+        _check(self.retries >= 0, "reward.retries", self.retries, ">= 0")
+
+
+@dataclass(frozen=True)
+class GeneratorConfig(_Section):
+    _prefix = "generator."
+    engine: Literal["vllm", "hf"] = "vllm"
+    count: int = 1
+    prompts_per_batch: int = 8
+    group_size: int = 4  # samples per prompt (GRPO's n)
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    threads: int = 1
+    tensor_parallel: int = 1  # GPU only
+
+    def _validate(self) -> None:
+        self._positive("count", "prompts_per_batch", "group_size", "max_new_tokens", "threads")
+        self._positive("temperature", "tensor_parallel")
+        _check(0 < self.top_p <= 1, "generator.top_p", self.top_p, "in (0, 1]")
+
+
+@dataclass(frozen=True)
+class QueueConfig(_Section):
+    _prefix = "queue."
+    redis_url: str | None = None  # None: start an embedded redis-server on a free loopback port
+    stream: str = "experience"
+    group: str = "learners"
+    max_backlog: int = 4096  # producers wait while more entries than this are unconsumed
+    durable: bool = False  # embedded Redis with AOF everysec
+    claim_idle_ms: int = 30_000  # pending entries idle this long are reclaimed from dead consumers
+
+    def _validate(self) -> None:
+        self._positive("max_backlog", "claim_idle_ms")
+
+
+@dataclass(frozen=True)
+class LearnerConfig(_Section):
+    _prefix = "learner."
+    steps: int = 50
+    batch_size: int = 32  # trajectories per optimizer step
+    micro_batch: int = 8
+    ranks: int = 1
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_eps: float = 0.2
+    correction: Literal["none", "truncate", "mask"] = "truncate"
+    correction_level: Literal["token", "sequence"] = "token"
+    is_cap: float = 2.0
+    ratio_to: Literal["prox", "behavior"] = "prox"  # "behavior": plain PPO, for ablation
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_mode: Literal["reward", "loss"] = "loss"
+    entropy_coef: float = 0.0
+    value_clip: float = 0.2
+    max_reuse: int = 1  # times a trajectory may be trained on while within the staleness bound
+    checkpoint_every: int = 0  # steps; 0: only at the end
+
+    def _validate(self) -> None:
+        self._positive("steps", "batch_size", "micro_batch", "ranks", "lr", "clip_eps", "is_cap")
+        self._positive("max_reuse")
+        _check(
+            self.batch_size % (self.micro_batch * self.ranks) == 0,
+            "learner.batch_size",
+            self.batch_size,
+            f"divisible by learner.micro_batch ({self.micro_batch}) x learner.ranks "
+            f"({self.ranks})",
+        )
+        for name in ("weight_decay", "grad_clip", "kl_coef", "entropy_coef", "checkpoint_every"):
+            _check(getattr(self, name) >= 0, "learner." + name, getattr(self, name), ">= 0")
+        for name in ("gamma", "lam"):
+            _check(0 <= getattr(self, name) <= 1, "learner." + name, getattr(self, name), "in [0, 1]")
+
+
+def _default_rewards() -> tuple[RewardSpec, ...]:
+    return (RewardSpec(kind="function", target="actors.tasks:score"),)
+
+
+@dataclass(frozen=True)
+class Config(_Section):
+    job: str = "async-rlhf"
+    out: str = "runs/demo"
+    seed: int = 0
+    max_staleness: int = 2  # k: a trajectory may be at most k policy versions old when trained on
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: tuple[RewardSpec, ...] = field(default_factory=_default_rewards)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+
+    def _validate(self) -> None:
+        _check(self.max_staleness >= 0, "max_staleness", self.max_staleness, ">= 0")
+        _check(len(self.rewards) > 0, "rewards", self.rewards, "a non-empty list")
+
+    @property
+    def samples_per_generation(self) -> int:
+        return self.generator.prompts_per_batch * self.generator.group_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "generator": GeneratorConfig,
+    "queue": QueueConfig,
+    "learner": LearnerConfig,
+}
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {raw!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key {where}{unknown[0]!r}; allowed keys here: {', '.join(sorted(names))}"
+        )
+    kwargs = dict(raw)
+    for name, section in _SECTIONS.items():
+        if cls is Config and name in kwargs:
+            kwargs[name] = _build(section, kwargs[name], f"{name}.")
+    if cls is Config and "rewards" in kwargs:
+        specs = kwargs["rewards"]
+        if not isinstance(specs, list):
+            raise ConfigError(f"rewards must be a list of mappings, got {specs!r}")
+        kwargs["rewards"] = tuple(_build(RewardSpec, s, f"rewards[{i}].") for i, s in enumerate(specs))
+    return cls(**kwargs)
+
+
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {dotted}: {part} is not a section")
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`learner.lr=1e-5` -> ("learner.lr", 1e-05); values are parsed as YAML scalars."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} must look like key=value, e.g. learner.lr=1e-5")
+    parsed = yaml.safe_load(value)
+    if isinstance(parsed, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+        try:
+            parsed = float(parsed)
+        except ValueError:
+            pass
+    return key.strip(), parsed
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Build the config from a YAML file (or the defaults) plus `key=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {str(path)!r} not found")
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    for text in overrides:
+        _set_dotted(raw, *parse_override(text))
+    try:
+        return _build(Config, raw, "")
+    except TypeError as e:  # a section given where a scalar belongs, or the reverse
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,73 @@
+"""The small interfaces between the parts. Backends implement them; the launcher wires them.
+
+`actors/`, `learners/` and `buffer/` import these (and `types`, `config`), never each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from async_rlhf.types import Prompt, Received, Sample, Trajectory
+
+
+class GenerationEngine(Protocol):
+    """Samples n responses per prompt and takes new weights in place."""
+
+    @property
+    def policy_version(self) -> int: ...
+
+    def generate(self, prompts: Sequence[Prompt], n: int) -> list[list[Sample]]:
+        """One list of n samples per prompt, log-probs under the sampling distribution."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load full weights (HF names) and start generating with `version`."""
+        ...
+
+
+class RewardFn(Protocol):
+    """Scores responses. Raises, or returns NaN, for a response it cannot score."""
+
+    name: str
+
+    def __call__(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]: ...
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    backlog: int  # entries not yet delivered to any consumer
+    pending: int  # delivered, not yet acknowledged
+    dead_letters: int
+    counters: dict[str, int]  # produced, trained, dropped_stale, dead_lettered, ...
+
+
+class ExperienceQueue(Protocol):
+    """A durable stream of trajectories with consumer-group delivery and acknowledgement.
+
+    An entry leaves the system only by `ack` (trained, or dropped with a counted reason) or by
+    `dead_letter` (malformed, with its reason).
+    """
+
+    def put(self, trajectories: Sequence[Trajectory], timeout_s: float | None = None) -> None:
+        """Append; blocks while the backlog is over the configured bound."""
+        ...
+
+    def get(self, count: int, block_ms: int = 1000) -> list[Received]:
+        """Up to `count` entries for this consumer (reclaimed ones from dead consumers first)."""
+        ...
+
+    def ack(self, entry_ids: Sequence[str], reason: str = "trained") -> None:
+        """Acknowledge entries and count them under `reason` (trained, dropped_stale, ...)."""
+        ...
+
+    def stats(self) -> QueueStats: ...
+
+
+class WeightPublisher(Protocol):
+    """Learner side of the weight sync: sends full weights, stamped with a version."""
+
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...

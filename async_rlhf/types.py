@@ -1,0 +1,105 @@
+"""The messages that flow through the system, one frozen dataclass per hop.
+
+prompts -> generator -> scorer -> experience queue -> learner -> weight broadcast -> generator
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Bump when a field is added, removed or changes meaning; the codec refuses other versions.
+SCHEMA_VERSION = 1
+
+
+class TrajectoryError(ValueError):
+    """A trajectory that must not be trained on; `reason` is a short machine-readable tag."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt to generate for, with whatever its reward needs to score a response."""
+
+    prompt_id: str
+    token_ids: tuple[int, ...]
+    text: str = ""
+    answer: str = ""  # reference answer for verifiable rewards ("" when there is none)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sampled response as the engine produced it.
+
+    behavior_logprobs[i] is log pi_behaviour(response_ids[i] | prefix) under the distribution the
+    token was actually sampled from (temperature and top-p applied).
+    """
+
+    response_ids: np.ndarray  # int32 [T]
+    behavior_logprobs: np.ndarray  # float32 [T]
+    finished: bool  # ended with EOS (False: cut at max_new_tokens)
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """A scored sample: the unit the experience stream carries and the learner trains on."""
+
+    prompt_ids: np.ndarray  # int32 [P]
+    response_ids: np.ndarray  # int32 [T]
+    behavior_logprobs: np.ndarray  # float32 [T]
+    reward: float  # weighted sum of reward_parts
+    reward_parts: dict[str, float]
+    policy_version: int  # version of the weights that sampled it
+    generator_id: str
+    group_id: str  # the n samples of one prompt share it
+    finished: bool
+    generated_at: float = field(default_factory=time.time)
+    generation_s: float = 0.0  # engine seconds for the batch this sample came from
+    schema_version: int = SCHEMA_VERSION
+
+    def validate(self) -> None:
+        """Raise TrajectoryError if this trajectory must not be trained on."""
+        if self.schema_version != SCHEMA_VERSION:
+            raise TrajectoryError(
+                "schema",
+                f"trajectory schema v{self.schema_version} not understood by this version "
+                f"(expects v{SCHEMA_VERSION}): run the same async-rlhf version everywhere",
+            )
+        if self.response_ids.ndim != 1 or self.prompt_ids.ndim != 1:
+            raise TrajectoryError("shape", "prompt_ids and response_ids must be 1-D")
+        if len(self.response_ids) == 0:
+            raise TrajectoryError("empty", "response has no tokens")
+        if self.behavior_logprobs.shape != self.response_ids.shape:
+            raise TrajectoryError(
+                "length_mismatch",
+                f"{len(self.behavior_logprobs)} behaviour log-probs for "
+                f"{len(self.response_ids)} response tokens",
+            )
+        if not np.all(np.isfinite(self.behavior_logprobs)):
+            raise TrajectoryError("non_finite_logprob", "behaviour log-probs contain NaN or inf")
+        if np.any(self.behavior_logprobs > 1e-4):
+            raise TrajectoryError("bad_logprob", "behaviour log-probs must be <= 0")
+        if not math.isfinite(self.reward):
+            raise TrajectoryError("non_finite_reward", f"reward is {self.reward}")
+        if self.policy_version < 0:
+            raise TrajectoryError("bad_version", f"policy_version is {self.policy_version}")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass(frozen=True)
+class Received:
+    """A trajectory read from the experience queue, with the id to acknowledge it by."""
+
+    entry_id: str
+    trajectory: Trajectory

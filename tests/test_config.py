@@ -1,0 +1,83 @@
+import pytest
+
+from async_rlhf.cli import COMMANDS, main
+from async_rlhf.config import Config, ConfigError, load_config, parse_override
+
+
+def test_defaults_are_valid():
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.samples_per_generation == cfg.generator.prompts_per_batch * cfg.generator.group_size
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("max_staleness: 1\nlearner:\n  lr: 3.0e-4\n  zero_stage: 2\n")
+    cfg = load_config(path, ["learner.lr=1e-5", "generator.engine=hf", "queue.redis_url=redis://h:1"])
+    assert cfg.max_staleness == 1
+    assert cfg.learner.lr == 1e-5 and cfg.learner.zero_stage == 2
+    assert cfg.generator.engine == "hf"
+    assert cfg.queue.redis_url == "redis://h:1"
+
+
+def test_ints_accepted_for_floats():
+    assert load_config(overrides=["learner.lr=1"]).learner.lr == 1.0
+
+
+def test_rewards_list(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "rewards:\n"
+        "  - {kind: function, target: 'actors.tasks:score', weight: 0.5}\n"
+        "  - {kind: http, target: 'http://127.0.0.1:9/score', timeout_s: 2}\n"
+    )
+    cfg = load_config(path)
+    assert [r.kind for r in cfg.rewards] == ["function", "http"]
+    assert cfg.rewards[1].timeout_s == 2.0
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("max_staleness=-1", "max_staleness must be >= 0, got -1"),
+        ("learner.zero_stage=4", "learner.zero_stage must be one of 0, 1, 2, 3, got 4"),
+        ("generator.engine=sglang", "generator.engine must be one of 'vllm', 'hf', got 'sglang'"),
+        ("learner.lr=fast", "learner.lr must be a number, got 'fast'"),
+        ("learner.steps=2.5", "learner.steps must be an integer, got 2.5"),
+        ("generator.top_p=1.5", "generator.top_p must be in (0, 1], got 1.5"),
+        ("learner.micro_batch=5", "learner.batch_size must be divisible by learner.micro_batch (5)"),
+        ("learner.lerning_rate=1", "unknown config key learner.'lerning_rate'"),
+        ("bogus=1", "unknown config key 'bogus'"),
+        ("data.source=jsonl", "data.path must be set when data.source=jsonl"),
+        ("learner=3", "learner. must be a mapping, got 3"),
+    ],
+)
+def test_bad_values_name_key_value_and_fix(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[override])
+    assert message in str(e.value)
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="must look like key=value"):
+        parse_override("learner.lr")
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    configs = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
+    assert configs, "configs/ holds no YAML file"
+    for path in configs:
+        load_config(path)
+
+
+def test_cli_help_lists_commands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name in COMMANDS:
+        assert name in out
