@@ -67,6 +67,41 @@ class ExperienceQueue(Protocol):
     def stats(self) -> QueueStats: ...
 
 
+class AdmissionGate(Protocol):
+    """The staleness gate as a generator sees it (async_rlhf.staleness.StalenessGate's rule;
+    the launcher shares one gate between all generators)."""
+
+    def try_admit(self, n: int) -> bool:
+        """Reserve n samples of generation; False: wait for the learner to advance."""
+        ...
+
+    def finish(self, n_admitted: int, n_accepted: int) -> None:
+        """The batch ended: n_accepted of the n_admitted samples were put on the queue."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReplayDraw:
+    """What the replay buffer hands the learner for one step."""
+
+    items: list[Received]  # train on these now
+    first_use: list[str]  # entry ids trained for the first time: ack as "trained" after the step
+    dropped: list[tuple[str, str]]  # (entry id, reason) evicted before any training: ack now
+
+
+class ReplayBuffer(Protocol):
+    """Learner-side store: each trajectory may be trained on up to max_reuse times while its
+    staleness (version - policy_version) stays within max_staleness; then it is evicted."""
+
+    def add(self, items: Sequence[Received]) -> None: ...
+
+    def draw(self, count: int, version: int) -> ReplayDraw:
+        """Up to `count` items usable at learner `version`, least-used and freshest first."""
+        ...
+
+    def __len__(self) -> int: ...
+
+
 class WeightPublisher(Protocol):
     """Learner side of the weight sync: sends full weights, stamped with a version."""
 
