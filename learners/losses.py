@@ -1,0 +1,216 @@
+"""Policy, KL, entropy and value losses as pure torch functions.
+
+Shapes: B sequences, T response tokens (right-padded), V vocabulary. `mask` [B, T] is 1 on real
+response tokens and 0 on padding. Log-probs are of the sampled tokens:
+    logp          log pi_theta(a_t | s_t), the policy being trained (carries the gradient)
+    prox_logp     log pi_prox, the learner's policy when the batch was consumed (recomputed)
+    behavior_logp log pi_behaviour, the sampling distribution the generator actually used
+
+Aggregation: every loss is a sum of per-token or per-sequence terms divided by a count. Pass the
+GLOBAL count (all data-parallel ranks, all micro-batches of the optimizer step) as `num_tokens` /
+`num_seqs`; then summing the per-shard results over shards gives the full-batch loss whatever the
+split (tested in tests/test_losses.py). Without counts the local ones are used.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Agg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+Correction = Literal["none", "truncate", "mask"]
+
+_MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: keeps a sequence-level weight finite before its cap
+
+
+class NonFiniteError(ValueError):
+    """A loss or advantage input holds NaN or inf: the batch must not be trained on."""
+
+
+def check_finite(**tensors: torch.Tensor | None) -> None:
+    """Raise NonFiniteError naming the first tensor that holds NaN/inf, and how many."""
+    for name, x in tensors.items():
+        if x is None or not x.is_floating_point():
+            continue
+        bad = ~torch.isfinite(x)
+        if bool(bad.any()):
+            raise NonFiniteError(
+                f"{name} holds {int(bad.sum())} NaN/inf values out of {x.numel()}: this batch is "
+                "not trained on; check the reward function and the generator's log-probs "
+                "(or lower the learning rate if the learner's own log-probs diverged)"
+            )
+
+
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: Agg,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> torch.Tensor:
+    """Reduce per-token values [B, T] to a scalar.
+
+    token_mean:          sum_{i,t} m x / N_tokens                 (DAPO, Yu et al. 2025, eq. 8)
+    seq_mean_token_mean: sum_i (sum_t m x / |o_i|) / N_seqs       (GRPO, Shao et al. 2024, eq. 3)
+    seq_mean_token_sum:  sum_i (sum_t m x) / N_seqs               (REINFORCE-style sequence sum)
+    N_tokens, N_seqs are global counts when given (see module docstring).
+    """
+    mask = mask.to(values.dtype)
+    if mode == "token_mean":
+        n = mask.sum() if num_tokens is None else num_tokens
+        return (values * mask).sum() / max(float(n), 1.0)
+    per_seq = (values * mask).sum(-1)
+    if mode == "seq_mean_token_mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1.0)
+    elif mode != "seq_mean_token_sum":
+        raise ValueError(
+            f"loss aggregation {mode!r} unknown: use token_mean, seq_mean_token_mean or "
+            "seq_mean_token_sum"
+        )
+    n = values.shape[0] if num_seqs is None else num_seqs
+    return per_seq.sum() / max(float(n), 1.0)
+
+
+def behavior_weight(
+    prox_logp: torch.Tensor,
+    behavior_logp: torch.Tensor,
+    mask: torch.Tensor,
+    correction: Correction,
+    cap: float,
+    level: Literal["token", "sequence"] = "token",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w = pi_prox / pi_behaviour per token [B, T], and a bool [B, T] of tokens it capped.
+
+    token level: w_t = exp(prox_logp_t - behavior_logp_t); sequence level: one weight per
+    sequence, exp(sum_t m (prox_logp_t - behavior_logp_t)), repeated over its tokens
+    (verl rollout_corr_helper, sequence IS). truncate: min(w, cap) (TIS, Yao et al. 2025);
+    mask: w set to 0 where w > cap (AReaL behav_imp_weight_cap); none: w as is.
+    """
+    log_w = (prox_logp - behavior_logp) * mask
+    if level == "sequence":
+        log_w = log_w.sum(-1, keepdim=True).expand_as(prox_logp)
+    w = torch.exp(log_w.clamp(max=_MAX_LOG_WEIGHT)).detach()
+    capped = (w > cap) & mask.bool()
+    if correction == "truncate":
+        w = w.clamp(max=cap)
+    elif correction == "mask":
+        w = torch.where(capped, torch.zeros_like(w), w)
+    elif correction == "none":
+        capped = torch.zeros_like(capped)
+    else:
+        raise ValueError(f"correction {correction!r} unknown: use none, truncate or mask")
+    return w, capped
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behavior_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps: float = 0.2,
+    correction: Correction = "truncate",
+    is_cap: float = 2.0,
+    level: Literal["token", "sequence"] = "token",
+    ratio_to: Literal["prox", "behavior"] = "prox",
+    agg: Agg = "token_mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled PPO loss (Hilton et al. 2021, eq. 6; AReaL ppo_actor_loss_fn). All inputs [B, T].
+
+    loss_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1-eps, 1+eps)), r_t = pi_theta / pi_prox,
+    w_t = pi_prox / pi_behaviour corrected by `correction` (see behavior_weight).
+    ratio_to="behavior" is plain PPO (Schulman et al. 2017, eq. 7) with r = pi_theta /
+    pi_behaviour and no w, for ablation. Returns (scalar loss, stats); stats are local means over
+    the masked tokens: clip_frac, ratio_mean, bw_mean, bw_max, bw_capped_frac.
+    """
+    check_finite(logp=logp, prox_logp=prox_logp, behavior_logp=behavior_logp, advantages=advantages)
+    maskf = mask.to(logp.dtype)
+    if ratio_to == "prox":
+        w, capped = behavior_weight(prox_logp, behavior_logp, mask, correction, is_cap, level)
+        anchor = prox_logp
+    elif ratio_to == "behavior":
+        w, capped = torch.ones_like(logp), torch.zeros_like(mask, dtype=torch.bool)
+        anchor = behavior_logp
+    else:
+        raise ValueError(f"ratio_to {ratio_to!r} unknown: use prox or behavior")
+    ratio = torch.exp(logp - anchor.detach())
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    per_token = torch.maximum(unclipped, clipped) * w
+    loss = aggregate(per_token, mask, agg, num_tokens, num_seqs)
+
+    n = maskf.sum().clamp(min=1.0)
+    with torch.no_grad():
+        stats = {
+            "clip_frac": float(((clipped > unclipped).to(maskf.dtype) * maskf).sum() / n),
+            "ratio_mean": float((ratio * maskf).sum() / n),
+            "bw_mean": float((w * maskf).sum() / n),
+            "bw_max": float((w * maskf).max()) if mask.any() else 0.0,
+            "bw_capped_frac": float((capped.to(maskf.dtype) * maskf).sum() / n),
+        }
+    return loss, stats
+
+
+def kl_penalty(
+    logp: torch.Tensor, ref_logp: torch.Tensor, estimator: Literal["k1", "k2", "k3"]
+) -> torch.Tensor:
+    """Per-token estimate [B, T] of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL").
+
+    with d = logp - ref_logp: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d.
+    """
+    d = logp - ref_logp
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"kl_estimator {estimator!r} unknown: use k1, k2 or k3")
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy [B, T] of softmax(logits [B, T, V]): logsumexp(z) - sum softmax(z) z."""
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(target) [B, T] under log_softmax(logits [B, T, V] / temperature).
+
+    The generators sample at `temperature` and report log-probs of that distribution, so the
+    learner's pi_theta and pi_prox must use the same one.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logits = logits.float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip: float = 0.2,
+    agg: Agg = "token_mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss (PPO2 baselines; OpenRLHF ValueLoss). Inputs [B, T].
+
+    0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), aggregated by `agg`.
+    """
+    check_finite(values=values, old_values=old_values, returns=returns)
+    v_clipped = old_values + (values - old_values).clamp(-clip, clip)
+    per_token = 0.5 * torch.maximum((values - returns) ** 2, (v_clipped - returns) ** 2)
+    loss = aggregate(per_token, mask, agg, num_tokens, num_seqs)
+    maskf = mask.to(values.dtype)
+    n = maskf.sum().clamp(min=1.0)
+    with torch.no_grad():
+        frac = (((v_clipped - returns) ** 2 > (values - returns) ** 2).to(maskf.dtype) * maskf).sum() / n
+    return loss, {"value_clip_frac": float(frac), "value_mean": float((values * maskf).sum() / n)}

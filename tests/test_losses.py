@@ -1,0 +1,185 @@
+"""Loss functions against numbers worked out by hand (comments) or in float64."""
+
+import math
+
+import pytest
+import torch
+
+from learners.losses import (
+    NonFiniteError,
+    aggregate,
+    behavior_weight,
+    entropy_from_logits,
+    kl_penalty,
+    policy_loss,
+    token_logprobs,
+    value_loss,
+)
+
+LN = math.log
+
+
+def _one(x):
+    return torch.tensor([[x]], dtype=torch.float64)
+
+
+ONE_MASK = torch.ones(1, 1)
+
+
+def test_on_policy_token_is_plain_policy_gradient():
+    # theta = prox = behaviour: r = 1, w = 1, loss = -A; d loss / d logp = -A r = -A.
+    logp = _one(LN(0.5)).requires_grad_()
+    loss, stats = policy_loss(logp, _one(LN(0.5)), _one(LN(0.5)), _one(3.0), ONE_MASK)
+    loss.backward()
+    assert loss.item() == pytest.approx(-3.0)
+    assert logp.grad.item() == pytest.approx(-3.0)
+    assert stats["clip_frac"] == 0 and stats["bw_mean"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "correction, cap, want_loss, want_w, want_capped",
+    [
+        # pi_prox = 0.5, pi_behaviour = 0.25: w = 2; theta = prox so r = 1; A = 1.
+        ("none", 1.5, -2.0, 2.0, 0.0),  # uncorrected: loss = -A r w = -2
+        ("truncate", 3.0, -2.0, 2.0, 0.0),  # under the cap: unchanged
+        ("truncate", 1.5, -1.5, 1.5, 1.0),  # TIS: w = min(2, 1.5)
+        ("mask", 1.5, 0.0, 0.0, 1.0),  # w > cap: token dropped
+    ],
+)
+def test_stale_token_behaviour_weight(correction, cap, want_loss, want_w, want_capped):
+    logp = _one(LN(0.5)).requires_grad_()
+    loss, stats = policy_loss(
+        logp, _one(LN(0.5)), _one(LN(0.25)), _one(1.0), ONE_MASK, correction=correction, is_cap=cap
+    )
+    loss.backward()
+    assert loss.item() == pytest.approx(want_loss)
+    assert logp.grad.item() == pytest.approx(want_loss)  # d(-A w e^(logp - prox))/dlogp at r = 1
+    assert stats["bw_mean"] == pytest.approx(want_w)
+    assert stats["bw_capped_frac"] == want_capped
+
+
+def test_clip_is_on_ratio_to_prox_not_behaviour():
+    # theta 0.6, prox 0.5, behaviour 0.4: r = 1.2, w = 1.25, eps = 0.1.
+    # A = +1: max(-1.2, -1.1) = -1.1 (clipped, no gradient), times w: -1.375.
+    # A = -1: max(1.2, 1.1) = 1.2 (unclipped), times w: 1.5.
+    args = (_one(LN(0.5)), _one(LN(0.4)))
+    for adv, want, clipped in [(1.0, -1.375, 1.0), (-1.0, 1.5, 0.0)]:
+        logp = _one(LN(0.6)).requires_grad_()
+        loss, stats = policy_loss(logp, *args, _one(adv), ONE_MASK, clip_eps=0.1, is_cap=5.0)
+        loss.backward()
+        assert loss.item() == pytest.approx(want)
+        assert stats["clip_frac"] == clipped
+        assert logp.grad.item() == pytest.approx(0.0 if clipped else -adv * 1.2 * 1.25)
+
+
+def test_plain_ppo_against_behaviour_for_ablation():
+    # r = 0.6 / 0.25 = 2.4 clipped to 1.2 with A = 1: loss -1.2; w not applied.
+    loss, stats = policy_loss(
+        _one(LN(0.6)), _one(LN(0.5)), _one(LN(0.25)), _one(1.0), ONE_MASK, ratio_to="behavior"
+    )
+    assert loss.item() == pytest.approx(-1.2)
+    assert stats["bw_mean"] == 1.0 and stats["clip_frac"] == 1.0
+
+
+def test_sequence_level_weight_is_product_over_tokens():
+    prox = torch.tensor([[0.0, 0.0, 0.0]], dtype=torch.float64)
+    behav = torch.tensor([[-0.1, -0.2, -5.0]], dtype=torch.float64)  # last one is padding
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    w, capped = behavior_weight(prox, behav, mask, "truncate", 10.0, "sequence")
+    assert w[0, :2].tolist() == pytest.approx([math.exp(0.3)] * 2)
+    w, capped = behavior_weight(prox, behav, mask, "mask", 1.2, "sequence")
+    assert w[0, :2].tolist() == [0.0, 0.0] and capped[0].tolist() == [True, True, False]
+
+
+def test_policy_loss_matches_float64_reference():
+    g = torch.Generator().manual_seed(0)
+    B, T = 4, 6
+    logp, prox, behav = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 2 for _ in range(3))
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) > 0.3).double()
+    mask[:, 0] = 1
+    loss, _ = policy_loss(logp.float(), prox.float(), behav.float(), adv.float(), mask,
+                          clip_eps=0.2, correction="truncate", is_cap=1.5, agg="seq_mean_token_mean")
+    want = 0.0
+    for i in range(B):
+        terms = []
+        for t in range(T):
+            if mask[i, t]:
+                r = math.exp(logp[i, t] - prox[i, t])
+                w = min(math.exp(prox[i, t] - behav[i, t]), 1.5)
+                a = adv[i, t].item()
+                terms.append(w * max(-a * r, -a * min(max(r, 0.8), 1.2)))
+        want += sum(terms) / len(terms) / B
+    assert loss.item() == pytest.approx(want, rel=1e-5)
+
+
+def test_aggregation_modes_by_hand():
+    values = torch.tensor([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert aggregate(values, mask, "token_mean").item() == pytest.approx(7 / 3)
+    assert aggregate(values, mask, "seq_mean_token_mean").item() == pytest.approx((1.5 + 4) / 2)
+    assert aggregate(values, mask, "seq_mean_token_sum").item() == pytest.approx((3 + 4) / 2)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+@pytest.mark.parametrize("splits", [[8], [3, 5], [2, 2, 4], [1] * 8])
+def test_loss_and_gradient_do_not_depend_on_sharding(agg, splits):
+    g = torch.Generator().manual_seed(1)
+    B, T = 8, 7
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64)
+    prox = logp + 0.1 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    behav = prox + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T) < lengths[:, None]).double()
+    kw = dict(agg=agg, num_tokens=float(mask.sum()), num_seqs=float(B))
+
+    full_logp = logp.clone().requires_grad_()
+    full, _ = policy_loss(full_logp, prox, behav, adv, mask, **kw)
+    full.backward()
+
+    shard_logp = logp.clone().requires_grad_()
+    total, start = 0.0, 0
+    for n in splits:  # each shard is what one rank (or one micro-batch) sees
+        s = slice(start, start + n)
+        part, _ = policy_loss(shard_logp[s], prox[s], behav[s], adv[s], mask[s], **kw)
+        part.backward()
+        total += part.item()
+        start += n
+    assert total == pytest.approx(full.item(), rel=1e-12, abs=1e-12)
+    assert torch.allclose(shard_logp.grad, full_logp.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_kl_estimators_by_hand():
+    # d = ln 0.5 - ln 0.25 = ln 2: k1 = ln 2, k2 = (ln 2)^2 / 2, k3 = 1/2 - 1 + ln 2.
+    logp, ref = _one(LN(0.5)), _one(LN(0.25))
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(LN(2))
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(LN(2) ** 2 / 2)
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 - 1 + LN(2))
+    assert kl_penalty(logp, logp, "k3").item() == 0.0
+
+
+def test_entropy_and_tempered_logprobs_by_hand():
+    logits = torch.tensor([[[0.0, LN(3)]]])  # softmax = [1/4, 3/4]
+    assert entropy_from_logits(logits).item() == pytest.approx(-(0.25 * LN(0.25) + 0.75 * LN(0.75)))
+    # logits [0, 2] at temperature 2 -> [0, 1]: log p(1) = 1 - ln(1 + e)
+    lp = token_logprobs(torch.tensor([[[0.0, 2.0]]]), torch.tensor([[1]]), temperature=2.0)
+    assert lp.item() == pytest.approx(1 - LN(1 + math.e))
+
+
+def test_clipped_value_loss_by_hand():
+    # V = 1.0, V_old = 0.5, R = 2, clip 0.2: V_clip = 0.7; 0.5 * max(1, 1.69) = 0.845.
+    loss, stats = value_loss(_one(1.0), _one(0.5), _one(2.0), ONE_MASK, clip=0.2)
+    assert loss.item() == pytest.approx(0.845)
+    assert stats["value_clip_frac"] == 1.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", ["logp", "prox_logp", "behavior_logp", "advantages"])
+def test_non_finite_inputs_are_rejected(bad, where):
+    args = {k: torch.zeros(2, 3) for k in ("logp", "prox_logp", "behavior_logp", "advantages")}
+    args[where][1, 2] = bad
+    with pytest.raises(NonFiniteError, match=f"{where} holds 1 NaN/inf values out of 6"):
+        policy_loss(**args, mask=torch.ones(2, 3))
+    with pytest.raises(NonFiniteError):
+        value_loss(args[where], torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3))
