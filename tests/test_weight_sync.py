@@ -1,0 +1,89 @@
+"""Weight broadcast over real gloo process groups between real processes."""
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from async_rlhf.weight_sync import WeightBroadcaster, WeightReceiver
+
+
+def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(version)
+    return [
+        ("embed.weight", torch.randn(37, 11, generator=g)),
+        ("norm.weight", torch.randn(7, generator=g).to(torch.bfloat16)),  # odd byte count
+        ("empty", torch.empty(0)),
+        ("lm_head.weight", torch.randn(300, 41, generator=g)),
+    ]
+
+
+def _member(addresses, results, rank_of):
+    """Join each epoch address from `addresses` until None; report what arrives."""
+    while (address := addresses.get(timeout=60)) is not None:
+        receiver = WeightReceiver(address, rank_of(address), timeout_s=60)
+        while (update := receiver.receive()) is not None:
+            results.put((address.epoch, update.version,
+                         [(n, t.dtype, tuple(t.shape), t.float().sum().item()) for n, t in update.named_tensors]))
+        results.put((address.epoch, "closed", None))
+
+
+def _expected(version):
+    return [(n, t.dtype, tuple(t.shape), t.float().sum().item()) for n, t in _weights(version)]
+
+
+def _rank_1(address):
+    return 1
+
+
+def _rank_last(address):
+    return address.world_size - 1
+
+
+@pytest.fixture
+def ctx():
+    return mp.get_context("spawn")
+
+
+def test_versions_reach_every_member_across_epochs(ctx):
+    sender = WeightBroadcaster(bucket_mb=0.01, timeout_s=60)  # 10 KB buckets: several per publish
+    a_in, b_in, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    a = ctx.Process(target=_member, args=(a_in, out, _rank_1), daemon=True)
+    a.start()
+    a_in.put(sender.open_epoch(world_size=2))
+    sender.publish(_weights(1), version=1)
+    assert out.get(timeout=60) == (1, 1, _expected(1))
+
+    # A second generator joins: a new epoch with 3 members replaces the first.
+    b = ctx.Process(target=_member, args=(b_in, out, _rank_last), daemon=True)
+    b.start()
+    address = sender.open_epoch(world_size=3)
+    a_in.put(address)
+    b_in.put(address)
+    sender.publish(_weights(2), version=2)
+    got = sorted((out.get(timeout=60) for _ in range(3)), key=str)
+    assert (1, "closed", None) in got
+    assert got.count((2, 2, _expected(2))) == 2
+    assert sender.last_publish_bytes > 0 and sender.last_publish_s > 0
+
+    sender.close()
+    assert sorted(out.get(timeout=60) for _ in range(2)) == [(2, "closed", None)] * 2
+    a_in.put(None)
+    b_in.put(None)
+    a.join(30)
+    b.join(30)
+
+
+def test_member_that_never_joins_fails_publish_with_clear_error():
+    sender = WeightBroadcaster(timeout_s=2)
+    address = sender.open_epoch(world_size=2)
+    with pytest.raises(RuntimeError, match=f"not all 2 members joined 127.0.0.1:{address.port}"):
+        sender.publish(_weights(1), version=1)
+    assert sender.failures == 1
+
+
+def test_publish_without_generators_consumes_the_iterator():
+    sender = WeightBroadcaster()
+    seen = []
+    sender.publish(((n, t) for n, t in _weights(1) if not seen.append(n)), version=1)
+    assert len(seen) == 4
