@@ -64,6 +64,11 @@ class ExperienceQueue(Protocol):
         """Acknowledge entries and count them under `reason` (trained, dropped_stale, ...)."""
         ...
 
+    def dead_letter(self, reason: str, detail: str, payload: bytes = b"") -> None:
+        """Record something that will never be trained on (e.g. a sample whose reward failed):
+        `reason` is a short tag that is counted, `payload` opaque bytes (JSON from generators)."""
+        ...
+
     def stats(self) -> QueueStats: ...
 
 
