@@ -1,0 +1,136 @@
+"""Prompt sources: a built-in task, a JSONL file, or a local data set directory.
+
+Every source becomes a fixed list of (text, answer) records, tokenized with the model's tokenizer
+(which prepends <bos>) and served endlessly: each epoch visits every record once, in an order
+shuffled deterministically from (seed, epoch), so two runs with the same seed see the same prompts.
+
+`data.source: hf_dataset` reads a directory, in this order of preference:
+  - a `datasets` save_to_disk() directory (it has dataset_info.json, state.json or
+    dataset_dict.json; a DatasetDict contributes its "train" split); needs `pip install datasets`;
+  - otherwise every *.jsonl file in it (sorted by name), one JSON object per line.
+Records need `data.prompt_key`; `data.answer_key` is optional ("" when absent).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from async_rlhf.config import DataConfig
+from async_rlhf.types import Prompt
+
+TASK_POOL_SIZE = 4096  # records generated for a built-in task (an epoch of the task source)
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {str(path)!r} not found (data.path)")
+    rows = []
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{line_no} is not valid JSON ({e.msg}): fix or remove the line") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{line_no} must hold a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def read_dataset_dir(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"data set directory {str(path)!r} not found (data.path)")
+    markers = ("dataset_info.json", "state.json", "dataset_dict.json")
+    if any((path / m).is_file() for m in markers):
+        try:
+            import datasets
+        except ImportError as e:
+            raise ImportError(
+                f"{path} was written by datasets' save_to_disk: `pip install datasets` to read it, "
+                "or export it to *.jsonl files in a directory"
+            ) from e
+        data = datasets.load_from_disk(str(path))
+        if isinstance(data, datasets.DatasetDict):
+            if "train" not in data:
+                raise ValueError(f"{path} has splits {list(data)}, none called 'train'")
+            data = data["train"]
+        return [dict(row) for row in data]
+    files = sorted(path.glob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.jsonl files and is not a save_to_disk() directory")
+    return [row for f in files for row in read_jsonl(f)]
+
+
+def load_records(data: DataConfig, seed: int = 0) -> list[tuple[str, str]]:
+    """The (prompt text, answer) records `data` names."""
+    if data.source == "task":
+        from actors.tasks import examples
+
+        return examples(data.task, seed, TASK_POOL_SIZE)
+    rows = read_jsonl(data.path) if data.source == "jsonl" else read_dataset_dir(data.path)
+    if not rows:
+        raise ValueError(f"{data.path} holds no records")
+    records = []
+    for i, row in enumerate(rows):
+        if data.prompt_key not in row:
+            raise KeyError(
+                f"record {i} of {data.path} has no {data.prompt_key!r} field (data.prompt_key); "
+                f"its fields: {', '.join(map(str, row))}"
+            )
+        records.append((str(row[data.prompt_key]), str(row.get(data.answer_key, ""))))
+    return records
+
+
+class PromptStream:
+    """Endless, deterministically shuffled prompts over a fixed record list."""
+
+    def __init__(
+        self, records: Sequence[tuple[str, str]], tokenizer, *, seed: int = 0, stream: int = 0,
+        name: str = "prompts",
+    ):
+        """`stream` varies the order only (give each generator its own), `seed` the order too."""
+        if not records:
+            raise ValueError("a prompt stream needs at least one record")
+        self.prompts = [
+            Prompt(
+                prompt_id=f"{name}:{i}",
+                token_ids=tuple(tokenizer(text)["input_ids"]),
+                text=text,
+                answer=answer,
+            )
+            for i, (text, answer) in enumerate(records)
+        ]
+        self.seed = seed
+        self.stream = stream
+        self.epoch = 0
+        self._order: list[int] = []
+        self._next = 0
+
+    def __iter__(self) -> Iterator[Prompt]:
+        return self
+
+    def __next__(self) -> Prompt:
+        if self._next >= len(self._order):
+            if self._order:
+                self.epoch += 1
+            self._order = list(range(len(self.prompts)))
+            random.Random(f"{self.seed}/{self.stream}/{self.epoch}").shuffle(self._order)
+            self._next = 0
+        self._next += 1
+        return self.prompts[self._order[self._next - 1]]
+
+    def take(self, count: int) -> list[Prompt]:
+        return [next(self) for _ in range(count)]
+
+
+def make_prompt_stream(data: DataConfig, tokenizer, seed: int = 0, stream: int = 0) -> PromptStream:
+    """The prompts `data` names; generators share `seed` (same records) and differ in `stream`."""
+    name = data.task if data.source == "task" else Path(data.path).stem
+    return PromptStream(load_records(data, seed), tokenizer, seed=seed, stream=stream, name=name)

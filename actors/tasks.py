@@ -1,0 +1,104 @@
+"""Built-in tasks with verifiable rewards in [0, 1] that a random-init model can learn on CPU.
+
+Each prompt's text starts with its task's name and `Prompt.answer` holds the reference, so the
+default reward `actors.tasks:score` needs nothing but the prompt and the response text.
+
+  count    easy. "count a: 482=" -> reward = min(number of 'a' in the response, 8) / 8. Not
+           prompt-conditioned: it only asks the policy to favour one token, so it rises within a
+           few dozen learner steps (a random-init tiny model starts near 0.05 with 16 new tokens).
+  copy     prompt-conditioned. "copy 3142=" -> "3142": 0.8 x the fraction of the answer's digits
+           found at their position + 0.2 if the response has the answer's length (1.0 iff equal);
+           partial credit guides learning, which needs a few hundred steps.
+  reverse  as copy, with the digits reversed ("reverse 3142=" -> "2413"); harder.
+
+Prompts with other first words (a JSONL data set, say) are scored by exact match with their
+answer, stripped of surrounding spaces; a prompt with no answer cannot be scored and raises, which
+the generator counts and sets aside.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from async_rlhf.types import Prompt
+
+COUNT_TARGET = 8  # 'a's that earn the full count reward
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    make: Callable[[random.Random], tuple[str, str]]  # rng -> (prompt text, answer)
+    reward: Callable[[str, str], float]  # (response, answer) -> reward in [0, 1]
+
+
+def _digits(rng: random.Random) -> str:
+    return "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 5)))
+
+
+def _count_reward(response: str, answer: str) -> float:
+    target = int(answer)
+    return min(response.count("a"), target) / target
+
+
+def positional_match(response: str, answer: str) -> float:
+    """0.8 x the share of answer characters matched at their position + 0.2 for the right length
+    (1.0 iff response == answer, after stripping spaces)."""
+    response = response.strip()
+    if not answer:
+        return float(not response)
+    matched = sum(a == b for a, b in zip(response, answer)) / len(answer)
+    return 0.8 * matched + 0.2 * (len(response) == len(answer))
+
+
+def _make_count(rng: random.Random) -> tuple[str, str]:
+    return f"count a: {_digits(rng)}=", str(COUNT_TARGET)
+
+
+def _make_copy(rng: random.Random) -> tuple[str, str]:
+    digits = _digits(rng)
+    return f"copy {digits}=", digits
+
+
+def _make_reverse(rng: random.Random) -> tuple[str, str]:
+    digits = _digits(rng)
+    return f"reverse {digits}=", digits[::-1]
+
+
+TASKS: dict[str, Task] = {
+    "count": Task("count", _make_count, _count_reward),
+    "copy": Task("copy", _make_copy, positional_match),
+    "reverse": Task("reverse", _make_reverse, positional_match),
+}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}: built-in tasks are {', '.join(TASKS)}")
+    return TASKS[name]
+
+
+def examples(task: str, seed: int, count: int) -> list[tuple[str, str]]:
+    """`count` (prompt text, answer) pairs of `task`, the same for the same seed."""
+    make = get_task(task).make
+    rng = random.Random(f"{task}/{seed}")
+    return [make(rng) for _ in range(count)]
+
+
+def score_one(prompt: Prompt, response: str) -> float:
+    task = TASKS.get(prompt.text.split(" ", 1)[0])
+    if task is not None:
+        return task.reward(response, prompt.answer)
+    if not prompt.answer:
+        raise ValueError(
+            f"prompt {prompt.prompt_id!r} is not a built-in task and has no answer to match: "
+            "give it an answer (data.answer_key) or configure another reward"
+        )
+    return float(response.strip() == prompt.answer.strip())
+
+
+def score(prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
+    """The default reward (`actors.tasks:score`): one float in [0, 1] per response."""
+    return [score_one(p, r) for p, r in zip(prompts, responses, strict=True)]

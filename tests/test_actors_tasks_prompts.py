@@ -1,0 +1,119 @@
+"""Built-in tasks and prompt sources (task, JSONL file, data set directory)."""
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from actors.prompts import PromptStream, load_records, make_prompt_stream, read_dataset_dir
+from actors.tasks import COUNT_TARGET, TASKS, examples, positional_match, score
+from async_rlhf.config import DataConfig
+from async_rlhf.types import Prompt
+
+
+def _prompt(text, answer):
+    return Prompt("p", (1,), text, answer)
+
+
+def test_examples_are_deterministic_and_seeded():
+    for task in TASKS:
+        assert examples(task, 0, 5) == examples(task, 0, 5)
+        assert examples(task, 0, 5) != examples(task, 1, 5)
+        text, answer = examples(task, 0, 1)[0]
+        assert text.startswith(task + " ") and text.endswith("=") and answer
+
+
+def test_count_reward():
+    p = _prompt("count a: 123=", str(COUNT_TARGET))
+    assert score([p] * 4, ["", "aa", "abab" * 4, "a" * 20]) == [0.0, 0.25, 1.0, 1.0]
+
+
+def test_copy_and_reverse_rewards():
+    copy, rev = _prompt("copy 3142=", "3142"), _prompt("reverse 3142=", "2413")
+    assert score([copy, rev], ["3142", " 2413 "]) == [1.0, 1.0]
+    assert positional_match("31", "3142") == pytest.approx(0.4)  # two of four digits, wrong length
+    assert positional_match("3199", "3142") == pytest.approx(0.6)
+    assert positional_match("x" * 16, "3142") == 0.0
+    assert all(0.0 <= r <= 1.0 for r in score([copy] * 3, ["", "3142314231423142", "zz"]))
+
+
+def test_other_prompts_use_exact_match_or_refuse():
+    assert score([_prompt("2+2?", "4")] * 2, ["4 ", "5"]) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="has no answer to match"):
+        score([_prompt("hello", "")], ["x"])
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_actor_model):
+    return AutoTokenizer.from_pretrained(tiny_actor_model)
+
+
+def test_task_stream_epochs_shuffle_deterministically(tok):
+    records = [("copy 1=", "1"), ("copy 2=", "2"), ("copy 3=", "3")]
+    a = PromptStream(records, tok, seed=5)
+    first, second = a.take(3), a.take(3)
+    assert sorted(p.prompt_id for p in first) == sorted(p.prompt_id for p in second)  # epochs
+    assert a.epoch == 1
+    b = PromptStream(records, tok, seed=5)
+    assert [p.prompt_id for p in b.take(6)] == [p.prompt_id for p in first + second]
+    other = PromptStream(records * 10, tok, seed=5, stream=1)  # another generator's order
+    assert [p.prompt_id for p in other.take(30)] != [p.prompt_id for p in PromptStream(records * 10, tok, seed=5).take(30)]
+    p = first[0]
+    assert p.token_ids[0] == tok.bos_token_id and tok.decode(p.token_ids, skip_special_tokens=True) == p.text
+
+
+def test_task_source(tok):
+    stream = make_prompt_stream(DataConfig(source="task", task="count"), tok, seed=0)
+    p = next(stream)
+    assert p.text.startswith("count a:") and p.prompt_id.startswith("count:")
+    with pytest.raises(ValueError, match="unknown task 'bogus'"):
+        load_records(DataConfig(task="bogus"))
+
+
+def test_jsonl_source(tmp_path, tok):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"q": "copy 12=", "a": "12"}\n\n{"q": "copy 7=", "a": 7}\n')
+    cfg = DataConfig(source="jsonl", path=str(path), prompt_key="q", answer_key="a")
+    assert load_records(cfg) == [("copy 12=", "12"), ("copy 7=", "7")]
+    stream = make_prompt_stream(cfg, tok)
+    got = stream.take(4)
+    assert {p.answer for p in got} == {"12", "7"} and got[0].prompt_id.startswith("p:")
+    path.write_text('{"prompt": 1}\nnot json\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2 is not valid JSON"):
+        load_records(DataConfig(source="jsonl", path=str(path)))
+    path.write_text('{"text": "x"}\n')
+    with pytest.raises(KeyError, match="has no 'prompt' field"):
+        load_records(DataConfig(source="jsonl", path=str(path)))
+
+
+def test_dataset_directory_of_jsonl(tmp_path, tok):
+    (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "copy 2=", "answer": "2"}) + "\n")
+    (tmp_path / "a.jsonl").write_text(json.dumps({"prompt": "copy 1=", "answer": "1"}) + "\n")
+    assert [r["prompt"] for r in read_dataset_dir(tmp_path)] == ["copy 1=", "copy 2="]
+    stream = make_prompt_stream(DataConfig(source="hf_dataset", path=str(tmp_path)), tok)
+    assert len(stream.prompts) == 2
+    with pytest.raises(FileNotFoundError, match="data set directory .* not found"):
+        read_dataset_dir(tmp_path / "a.jsonl")  # not a directory
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no \\*.jsonl files"):
+        read_dataset_dir(empty)
+
+
+def test_save_to_disk_directory(tmp_path, tok):
+    datasets = pytest.importorskip("datasets")
+    data = datasets.Dataset.from_dict({"prompt": ["copy 5=", "copy 6="], "answer": ["5", "6"]})
+    datasets.DatasetDict({"train": data}).save_to_disk(str(tmp_path / "ds"))
+    stream = make_prompt_stream(DataConfig(source="hf_dataset", path=str(tmp_path / "ds")), tok)
+    assert sorted(p.answer for p in stream.prompts) == ["5", "6"]
+
+
+def test_save_to_disk_without_datasets_says_how_to_install(tmp_path):
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        (tmp_path / "state.json").write_text("{}")
+        with pytest.raises(ImportError, match="pip install datasets"):
+            read_dataset_dir(tmp_path)
+    else:
+        pytest.skip("datasets is installed")
