@@ -176,17 +176,32 @@ class LearnerConfig(_Section):
     value_clip: float = 0.2
     max_reuse: int = 1  # times a trajectory may be trained on while within the staleness bound
     checkpoint_every: int = 0  # steps; 0: only at the end
+    minibatches: int = 1  # optimizer steps per batch, all against the same pi_prox (AReaL's n_mbs)
+    optimizer: Literal["adamw_torch", "adamw_deepspeed"] = "adamw_torch"  # deepspeed: C++ build
+    critic_lr: float = 1e-5  # GAE only
+    critic_init: str = ""  # reward-model directory to start the critic from; "": the policy's
+    flash_attention: bool = True  # flash-attention 2 on GPU when installed; CPU always uses sdpa
+    wait_s: float = 60.0  # a step fails if the stream delivers nothing usable for this long
 
     def _validate(self) -> None:
         self._positive("steps", "batch_size", "micro_batch", "ranks", "lr", "clip_eps", "is_cap")
-        self._positive("max_reuse")
+        self._positive("max_reuse", "minibatches", "critic_lr", "wait_s")
+        per_step = self.micro_batch * self.ranks * self.minibatches
         _check(
-            self.batch_size % (self.micro_batch * self.ranks) == 0,
+            self.batch_size % per_step == 0,
             "learner.batch_size",
             self.batch_size,
             f"divisible by learner.micro_batch ({self.micro_batch}) x learner.ranks "
-            f"({self.ranks})",
+            f"({self.ranks}) x learner.minibatches ({self.minibatches})",
         )
+        if self.kl_mode == "reward" and self.kl_coef > 0:
+            _check(
+                self.advantage in ("reinforce_pp", "gae"),
+                "learner.kl_mode",
+                self.kl_mode,
+                f"'loss' with learner.advantage={self.advantage} (a per-token KL reward needs "
+                "reinforce_pp or gae)",
+            )
         for name in ("weight_decay", "grad_clip", "kl_coef", "entropy_coef", "checkpoint_every"):
             _check(getattr(self, name) >= 0, "learner." + name, getattr(self, name), ">= 0")
         for name in ("gamma", "lam"):

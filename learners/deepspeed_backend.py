@@ -1,0 +1,288 @@
+"""DeepSpeed train backend: policy engine, optional frozen reference and critic, weight gather.
+
+One instance per data-parallel rank (the launcher starts `ranks` processes with RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT set; a lone process needs none of them). gloo on CPU,
+NCCL on GPU, chosen by device. ZeRO stage 0-3 from LearnerConfig; fp32 or bf16 from ModelConfig.
+
+Gradient scaling: the losses handed to `backward` are already a rank's share of the global loss
+(normalised by GLOBAL token/sequence counts, see learners/losses.py), so we undo DeepSpeed's
+division by gradient-accumulation steps (scale_wrt_gas=False) and multiply by the world size to
+undo its data-parallel averaging: the summed gradient is then the full batch's, whatever the split.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from async_rlhf.config import LearnerConfig
+from learners.losses import entropy_from_logits, token_logprobs
+
+
+def _import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ImportError(
+            "deepspeed is not installed: `DS_BUILD_OPS=0 pip install deepspeed==0.19.8`"
+        ) from e
+    return deepspeed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: str) -> tuple[int, int]:
+    """Join (or create, for a lone process) the learner's process group; returns (rank, world).
+
+    On CPU, DeepSpeed's TorchBackend would JIT-compile its shared-memory all-reduce op
+    (`deepspeed_shm_comm`, ~75-120 s) the first time; it only builds ops that
+    `deepspeed.ops.__compatible_ops__` marks compatible, so we mark it not: gloo all-reduces
+    instead. (That dict is probed lazily on first access, which we also skip this way.)
+    """
+    deepspeed = _import_deepspeed()
+    if "RANK" not in os.environ:  # a lone process: a one-member group on loopback
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not torch.distributed.is_initialized():
+        deepspeed.ops.__dict__.setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed(
+            dist_backend="nccl" if device.startswith("cuda") else "gloo",
+            auto_mpi_discovery=False,
+            verbose=False,
+        )
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def _attn_implementation(device: str, want_flash: bool) -> str:
+    if device.startswith("cuda") and want_flash:
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+class ValueModel(nn.Module):
+    """Critic: a transformer backbone and a linear value head, one value per position.
+
+    Built from AutoModelForSequenceClassification (num_labels=1), so a reward model's backbone
+    and score head initialise it when one is given (as OpenRLHF does); from a policy
+    checkpoint, the head starts fresh.
+    """
+
+    def __init__(self, path: str, dtype: torch.dtype, attn: str):
+        super().__init__()
+        from transformers import AutoModelForSequenceClassification
+
+        rm = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=dtype, attn_implementation=attn
+        )
+        self.backbone = rm.base_model
+        self.head = rm.score
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()  # [B, L]
+
+
+def response_view(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Pick per-position outputs x [B, L, ...] at positions [B, T] -> [B, T, ...]."""
+    idx = positions.view(*positions.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+    return x.gather(1, idx)
+
+
+class DeepSpeedBackend:
+    """Policy (trained), frozen reference (when kl_coef > 0), critic (when advantage == 'gae').
+
+    `policy` is an HF model directory or an already built causal LM (benchmarks). All ranks
+    must call the collective methods (step, full_state_dict, save/load) together.
+    """
+
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        policy: str | nn.Module,
+        *,
+        dtype: str = "float32",
+        temperature: float = 1.0,
+        seed: int = 0,
+    ):
+        from transformers import AutoModelForCausalLM
+
+        deepspeed = _import_deepspeed()
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}: use the generators' one")
+        self.cfg = cfg
+        self.temperature = temperature
+        self.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+        if self.device != "cpu":
+            torch.cuda.set_device(self.device)
+        self.rank, self.world_size = init_distributed(self.device)
+        if cfg.ranks != self.world_size:
+            raise ValueError(
+                f"learner.ranks ({cfg.ranks}) differs from the process group size "
+                f"({self.world_size}): start learner.ranks processes, or set learner.ranks="
+                f"{self.world_size}"
+            )
+        torch.manual_seed(seed)
+        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        attn = _attn_implementation(self.device, cfg.flash_attention)
+
+        def load(path_or_model: str | nn.Module) -> nn.Module:
+            if isinstance(path_or_model, nn.Module):
+                return path_or_model
+            return AutoModelForCausalLM.from_pretrained(path_or_model, dtype=torch.float32, attn_implementation=attn)
+
+        model = load(policy)
+        model.config.use_cache = False
+        self.reference: nn.Module | None = None  # frozen, replicated (not sharded) on every rank
+        if cfg.kl_coef > 0:
+            ref = load(policy) if isinstance(policy, str) else copy.deepcopy(model)
+            self.reference = ref.to(self.device, self.dtype).eval().requires_grad_(False)
+        self.engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=self._optimizer(model.parameters(), cfg.lr),
+            config=self._ds_config(),
+        )
+        self.critic = None
+        if cfg.advantage == "gae":
+            path = cfg.critic_init or (policy if isinstance(policy, str) else "")
+            if not path:
+                raise ValueError(
+                    "advantage=gae needs a critic: set learner.critic_init to a reward-model "
+                    "directory, or give the policy as a directory"
+                )
+            critic = ValueModel(path, torch.float32, attn)
+            self.critic, *_ = deepspeed.initialize(
+                model=critic,
+                optimizer=self._optimizer(critic.parameters(), cfg.critic_lr),
+                config=self._ds_config(),
+            )
+
+    # -- setup -----------------------------------------------------------------------------
+    def _optimizer(self, params, lr: float):
+        if self.cfg.optimizer == "adamw_torch":
+            return torch.optim.AdamW(params, lr=lr, weight_decay=self.cfg.weight_decay)
+        from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam  # C++ build on first use
+
+        cls = FusedAdam if self.device != "cpu" else DeepSpeedCPUAdam
+        return cls(params, lr=lr, weight_decay=self.cfg.weight_decay, adamw_mode=True)
+
+    def _ds_config(self) -> dict[str, Any]:
+        cfg = self.cfg
+        per_step = cfg.batch_size // cfg.minibatches
+        return {
+            "train_batch_size": per_step,
+            "train_micro_batch_size_per_gpu": cfg.micro_batch,
+            "gradient_accumulation_steps": per_step // (cfg.micro_batch * self.world_size),
+            "gradient_clipping": cfg.grad_clip,
+            "zero_optimization": {"stage": cfg.zero_stage},
+            "bf16": {"enabled": self.dtype == torch.bfloat16},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 1 << 30,
+        }
+
+    # -- forward / backward ----------------------------------------------------------------
+    def logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        reference: bool = False,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log pi(response tokens) [B, T] (and entropy [B, T]) at the sampling temperature.
+
+        input_ids, attention_mask [B, L]; positions [B, T]: index of the logit that predicts each
+        response token (prompt_len - 1 + t). Gradient flows for the policy under grad mode.
+        """
+        model = self.reference if reference else self.engine
+        if model is None:
+            raise ValueError("no reference model: it is loaded only when learner.kl_coef > 0")
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        logits = response_view(logits, positions).float() / self.temperature  # [B, T, V]
+        targets = input_ids.gather(1, positions + 1)
+        logp = token_logprobs(logits, targets)
+        entropy = entropy_from_logits(logits) if with_entropy else None
+        return logp, entropy
+
+    def values(self, input_ids, attention_mask, positions) -> torch.Tensor:
+        """Critic values [B, T] of the states before each response token."""
+        return response_view(self.critic(input_ids, attention_mask), positions)
+
+    def backward(self, loss: torch.Tensor, engine=None) -> None:
+        """Back-propagate a rank's share of the global loss (see module docstring)."""
+        (engine or self.engine).backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def step(self, engine=None) -> float | None:
+        """Optimizer step at the accumulation boundary (no-op otherwise); returns the grad norm there."""
+        engine = engine or self.engine
+        boundary = engine.is_gradient_accumulation_boundary()
+        own_norm = None
+        if boundary and self.cfg.zero_stage == 0 and self.dtype == torch.float32:
+            # ZeRO-0 fp32 clips without keeping the norm; grads are all-reduced by now
+            grads = [p.grad.detach().norm() for p in engine.module.parameters() if p.grad is not None]
+            own_norm = float(torch.stack(grads).norm()) if grads else 0.0
+        engine.step()
+        if not boundary:
+            return None
+        norm = engine.get_global_grad_norm()
+        return own_norm if norm is None else float(norm)
+
+    # -- weights ---------------------------------------------------------------------------
+    def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full CPU tensor) for every policy parameter; ZeRO-3 shards gathered one
+        parameter at a time. Collective: every rank must iterate to the end; only rank 0's
+        tensors are meaningful (others get empty ones)."""
+        deepspeed = _import_deepspeed()
+        for name, p in self.engine.module.named_parameters():
+            if self.cfg.zero_stage == 3:
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                    yield name, p.data.detach().to("cpu", copy=True) if self.rank == 0 else torch.empty(0)
+            else:
+                yield name, p.detach().to("cpu", copy=True)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """All policy weights on rank 0 ({} elsewhere). Collective."""
+        weights = dict(self.named_full_weights())
+        return weights if self.rank == 0 else {}
+
+    def save_pretrained(self, out_dir: str | os.PathLike) -> None:
+        """HF export of the policy (rank 0 writes; collective)."""
+        weights = self.full_state_dict()
+        if self.rank == 0:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            self.engine.module.save_pretrained(out_dir, state_dict=weights)
+        torch.distributed.barrier()
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self, ckpt_dir: str | os.PathLike, tag: str, client_state: dict) -> None:
+        """DeepSpeed checkpoint (weights, optimizer, ZeRO shards) + client_state. Collective."""
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state)
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(Path(ckpt_dir) / "critic"), tag=tag)
+
+    def load_checkpoint(self, ckpt_dir: str | os.PathLike) -> dict | None:
+        """Load the latest checkpoint in ckpt_dir; its client_state, or None if there is none."""
+        if not (Path(ckpt_dir) / "latest").is_file():
+            return None
+        path, client_state = self.engine.load_checkpoint(str(ckpt_dir))
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {ckpt_dir}")
+        if self.critic is not None:
+            self.critic.load_checkpoint(str(Path(ckpt_dir) / "critic"))
+        return client_state

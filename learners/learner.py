@@ -1,0 +1,408 @@
+"""The learner loop: stream -> replay -> decoupled-PPO step on DeepSpeed -> weights out.
+
+How data-parallel ranks split the data: rank 0 is the only consumer of the experience stream
+and the only owner of the replay buffer and the weight publisher. Each step it draws exactly
+`batch_size` trajectories, packs them into tensors and broadcasts them to every rank, so all
+ranks see the same global batch: group advantages (GRPO, RLOO) are computed on the whole batch,
+so a group never straddles ranks for its statistics, and loss normalisers are global counts.
+Rank r then trains rows [r*n, (r+1)*n) of each minibatch (n = batch / (minibatches * ranks)).
+Only rank 0 acks. The launcher starts one Learner per rank; ranks other than 0 get queue=None,
+replay=None, publisher=None.
+
+Per step (one policy version): wait for a batch (dropping, with an ack and a count, anything
+staler than max_staleness) -> recompute pi_prox (and reference, critic) on each rank's rows ->
+advantages -> `minibatches` optimizer steps of micro-batches -> ack first uses as "trained" ->
+version += 1 -> gather full weights and publish them (rank 0) -> checkpoint when due.
+A crash after an ack but before the next checkpoint loses those updates, not the run: resume
+restarts from the checkpoint with its version and counters, and trains on fresh experience.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from async_rlhf.config import LearnerConfig
+from async_rlhf.protocols import ExperienceQueue, ReplayBuffer, WeightPublisher
+from async_rlhf.types import Received, TrajectoryError
+from learners import advantages as adv_fns
+from learners.deepspeed_backend import DeepSpeedBackend
+from learners.losses import aggregate, check_finite, kl_penalty, policy_loss, value_loss
+
+_INT_KEYS = ("input_ids", "attention_mask", "positions", "versions", "groups")
+_FLOAT_KEYS = ("mask", "behavior_logp", "rewards")
+
+
+@dataclass
+class Batch:
+    """One global batch as tensors, identical on every rank. B rows, L = longest prompt +
+    response, T = longest response."""
+
+    input_ids: torch.Tensor  # int64 [B, L], right-padded with 0
+    attention_mask: torch.Tensor  # int64 [B, L]
+    positions: torch.Tensor  # int64 [B, T], index of the logit predicting response token t
+    versions: torch.Tensor  # int64 [B], policy_version that generated each row
+    groups: torch.Tensor  # int64 [B], group index (same prompt -> same index)
+    mask: torch.Tensor  # float32 [B, T]
+    behavior_logp: torch.Tensor  # float32 [B, T]
+    rewards: torch.Tensor  # float32 [B]
+
+    @classmethod
+    def from_received(cls, items: Sequence[Received]) -> Batch:
+        trajs = [r.trajectory for r in items]
+        B = len(trajs)
+        L = max(t.num_tokens for t in trajs)
+        T = max(len(t.response_ids) for t in trajs)
+        out = cls(
+            input_ids=torch.zeros(B, L, dtype=torch.long),
+            attention_mask=torch.zeros(B, L, dtype=torch.long),
+            positions=torch.zeros(B, T, dtype=torch.long),
+            versions=torch.tensor([t.policy_version for t in trajs], dtype=torch.long),
+            groups=torch.zeros(B, dtype=torch.long),
+            mask=torch.zeros(B, T),
+            behavior_logp=torch.zeros(B, T),
+            rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+        )
+        group_index: dict[str, int] = {}
+        for i, t in enumerate(trajs):
+            P, R = len(t.prompt_ids), len(t.response_ids)
+            if P == 0:
+                raise TrajectoryError("empty_prompt", "the learner needs at least one prompt token")
+            ids = np.concatenate([t.prompt_ids, t.response_ids]).astype(np.int64)
+            out.input_ids[i, : P + R] = torch.from_numpy(ids)
+            out.attention_mask[i, : P + R] = 1
+            out.positions[i] = (P - 1 + torch.arange(T)).clamp(max=L - 2)
+            out.mask[i, :R] = 1.0
+            out.behavior_logp[i, :R] = torch.from_numpy(t.behavior_logprobs.astype("float32"))
+            out.groups[i] = group_index.setdefault(t.group_id, len(group_index))
+        return out
+
+    def rows(self, index: torch.Tensor) -> Batch:
+        return Batch(**{k: getattr(self, k)[index] for k in _INT_KEYS + _FLOAT_KEYS})
+
+    def to(self, device: str) -> Batch:
+        return Batch(**{k: getattr(self, k).to(device) for k in _INT_KEYS + _FLOAT_KEYS})
+
+    @staticmethod
+    def broadcast(batch: Batch | None, device: str) -> Batch:
+        """Rank 0's batch on every rank (call on all ranks; others pass None)."""
+        shape = torch.zeros(3, dtype=torch.long, device=device)
+        if dist.get_rank() == 0:
+            shape[:] = torch.tensor([*batch.input_ids.shape, batch.mask.shape[1]])
+        dist.broadcast(shape, 0)
+        B, L, T = shape.tolist()
+        dims = {"input_ids": (B, L), "attention_mask": (B, L), "positions": (B, T), "versions": (B,),
+                "groups": (B,), "mask": (B, T), "behavior_logp": (B, T), "rewards": (B,)}
+        out = {}
+        for k, dim in dims.items():
+            dtype = torch.long if k in _INT_KEYS else torch.float32
+            t = getattr(batch, k).to(device) if dist.get_rank() == 0 else torch.empty(dim, dtype=dtype, device=device)
+            dist.broadcast(t, 0)
+            out[k] = t
+        return Batch(**out)
+
+
+class Learner:
+    """One data-parallel rank of the learner (see module docstring for the split).
+
+    queue, replay, publisher: rank 0 only (None elsewhere). temperature: the generators' sampling
+    temperature (log-probs are recomputed under the same distribution). ckpt_dir: where
+    checkpoints go and where `resume()` looks. on_metrics: called with each step's metrics on
+    rank 0.
+    """
+
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        backend: DeepSpeedBackend,
+        *,
+        max_staleness: int,
+        queue: ExperienceQueue | None = None,
+        replay: ReplayBuffer | None = None,
+        publisher: WeightPublisher | None = None,
+        ckpt_dir: str | os.PathLike | None = None,
+        on_metrics: Callable[[dict], None] | None = None,
+    ):
+        self.cfg, self.backend = cfg, backend
+        self.rank, self.world = backend.rank, backend.world_size
+        if self.rank == 0 and (queue is None or replay is None):
+            raise ValueError("rank 0 consumes the stream: give it the queue and the replay buffer")
+        self.max_staleness = max_staleness
+        self.queue, self.replay, self.publisher = queue, replay, publisher
+        self.ckpt_dir = Path(ckpt_dir) if ckpt_dir else None
+        self.on_metrics = on_metrics
+        self.version = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+        flag = torch.tensor([int(publisher is not None)], device=backend.device)
+        dist.broadcast(flag, 0)  # every rank joins the ZeRO-3 gather iff rank 0 publishes
+        self._publish = bool(flag.item())
+
+    # -- the loop --------------------------------------------------------------------------
+    def train(self, steps: int | None = None) -> list[dict]:
+        """Run `steps` (default: until cfg.steps versions), checkpointing as configured."""
+        history = []
+        target = self.cfg.steps if steps is None else self.version + steps
+        while self.version < target:
+            history.append(self.step())
+            every = self.cfg.checkpoint_every
+            if self.ckpt_dir and (self.version == target or (every and self.version % every == 0)):
+                self.save_checkpoint()
+        return history
+
+    def step(self) -> dict:
+        """One policy version: wait, recompute, advantages, optimizer step(s), ack, publish."""
+        timing = collections.Counter()
+        t = time.perf_counter()
+        items, first_use = self._collect() if self.rank == 0 else ([], [])
+        batch = (Batch.from_received(items) if self.rank == 0 else None)
+        batch = Batch.broadcast(batch, self.backend.device)
+        timing["wait"] = time.perf_counter() - t
+
+        stats = self._train_batch(batch, timing)
+
+        staleness = (self.version - batch.versions).tolist()
+        self.version += 1
+        tokens = int(batch.mask.sum())
+        self.counters.update(samples=len(staleness), tokens=tokens, steps=1)
+        if self.rank == 0:
+            self.queue.ack(first_use, reason="trained")
+            self.counters["trained_first_use"] += len(first_use)
+
+        t = time.perf_counter()
+        weights = self.backend.full_state_dict() if self._publish else {}
+        timing["weight_gather"] = time.perf_counter() - t
+        t = time.perf_counter()
+        if self.rank == 0 and self.publisher is not None:
+            self.publisher.publish(weights.items(), self.version)
+        timing["publish"] = time.perf_counter() - t
+
+        metrics = {
+            "version": self.version,
+            **stats,
+            "samples": len(staleness),
+            "tokens": tokens,
+            "reward_mean": float(batch.rewards.mean()),
+            "staleness_max": max(staleness),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_hist": dict(sorted(collections.Counter(staleness).items())),
+            **{f"time_{k}": v for k, v in timing.items()},
+            **{f"count_{k}": v for k, v in self.counters.items()},
+        }
+        if self.rank == 0 and self.on_metrics is not None:
+            self.on_metrics(metrics)
+        return metrics
+
+    # -- rank 0: the stream ----------------------------------------------------------------
+    def _collect(self) -> tuple[list[Received], list[str]]:
+        """Exactly batch_size usable items (and the entry ids trained for the first time)."""
+        need = self.cfg.batch_size
+        items: list[Received] = []
+        first_use: list[str] = []
+        last_progress = time.monotonic()
+        while len(items) < need:
+            fresh = self._admit(self.queue.get(need, block_ms=200))
+            self.replay.add(fresh)
+            draw = self.replay.draw(need - len(items), self.version)
+            for entry_id, reason in draw.dropped:
+                self.queue.ack([entry_id], reason=reason)
+                self.counters[reason] += 1
+            firsts = set(draw.first_use)
+            for r in draw.items:
+                if self.version - r.trajectory.policy_version > self.max_staleness:
+                    if r.entry_id in firsts:  # the replay should not hand these out; drop anyway
+                        self._drop(r.entry_id, "dropped_stale")
+                    continue
+                items.append(r)
+                if r.entry_id in firsts:
+                    first_use.append(r.entry_id)
+            if fresh or draw.items:
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > self.cfg.wait_s:
+                raise TimeoutError(
+                    f"no usable trajectories for {self.cfg.wait_s:.0f} s at version {self.version} "
+                    f"({len(items)}/{need} collected): are the generators running and admitted? "
+                    "(raise learner.wait_s for slow generation)"
+                )
+        return items, first_use
+
+    def _admit(self, received: Sequence[Received]) -> list[Received]:
+        """Keep what is valid and fresh enough; ack the rest with a counted reason."""
+        keep = []
+        for r in received:
+            try:
+                r.trajectory.validate()
+            except TrajectoryError as e:
+                self._drop(r.entry_id, f"invalid_{e.reason}")
+                continue
+            if self.version - r.trajectory.policy_version > self.max_staleness:
+                self._drop(r.entry_id, "dropped_stale")
+                continue
+            keep.append(r)
+        return keep
+
+    def _drop(self, entry_id: str, reason: str) -> None:
+        self.queue.ack([entry_id], reason=reason)
+        self.counters[reason] += 1
+
+    # -- every rank: the maths -------------------------------------------------------------
+    def _rank_rows(self, B: int) -> torch.Tensor:
+        """Row indices this rank trains, minibatch after minibatch."""
+        per_mb = B // self.cfg.minibatches
+        n = per_mb // self.world
+        return torch.cat([torch.arange(m * per_mb + self.rank * n, m * per_mb + (self.rank + 1) * n)
+                          for m in range(self.cfg.minibatches)])
+
+    def _micro_batches(self, local: Batch):
+        mb = self.cfg.micro_batch
+        for s in range(0, local.input_ids.shape[0], mb):
+            yield s, local.rows(torch.arange(s, min(s + mb, local.input_ids.shape[0])))
+
+    @torch.no_grad()
+    def _recompute(self, local: Batch, timing) -> dict[str, torch.Tensor]:
+        """pi_prox (and reference, critic values) log-probs [n, T] for this rank's rows."""
+        t = time.perf_counter()
+        be, out = self.backend, collections.defaultdict(list)
+        be.engine.eval()
+        for _, mb in self._micro_batches(local):
+            args = (mb.input_ids, mb.attention_mask, mb.positions)
+            out["prox_logp"].append(be.logprobs(*args)[0])
+            if be.reference is not None:
+                out["ref_logp"].append(be.logprobs(*args, reference=True)[0])
+            if be.critic is not None:
+                out["old_values"].append(be.values(*args))
+        be.engine.train()
+        timing["forward"] += time.perf_counter() - t
+        res = {k: torch.cat(v) for k, v in out.items()}
+        check_finite(**res)
+        return res
+
+    def _advantages(self, batch: Batch, rows: torch.Tensor, local: Batch, rec: dict) -> tuple:
+        """Per-token advantages [n, T] for this rank's rows, and returns for the critic."""
+        cfg = self.cfg
+        if cfg.advantage in ("grpo", "rloo"):
+            fn = adv_fns.grpo_advantages if cfg.advantage == "grpo" else adv_fns.rloo_advantages
+            seq = fn(batch.rewards.cpu(), batch.groups.cpu()).to(local.mask.device)[rows]
+            return seq[:, None] * local.mask, None
+        kl = None
+        if cfg.kl_mode == "reward" and "ref_logp" in rec:
+            kl = kl_penalty(rec["prox_logp"], rec["ref_logp"], cfg.kl_estimator)
+        r = adv_fns.token_rewards(local.rewards, local.mask, kl, cfg.kl_coef)
+        if cfg.advantage == "reinforce_pp":
+            adv, returns = adv_fns.discounted_returns(r, local.mask, cfg.gamma), None
+        else:
+            adv, returns = adv_fns.gae(r, rec["old_values"], local.mask, cfg.gamma, cfg.lam)
+        moments = adv_fns.masked_moments(adv, local.mask)
+        if self.world > 1:
+            moments = moments.to(self.backend.device)
+            dist.all_reduce(moments)
+        return adv_fns.whiten(adv, local.mask, moments.cpu()), returns
+
+    def _train_batch(self, batch: Batch, timing) -> dict:
+        cfg, be = self.cfg, self.backend
+        B = batch.input_ids.shape[0]
+        rows = self._rank_rows(B).to(batch.mask.device)
+        local = batch.rows(rows)
+        rec = self._recompute(local, timing)
+        advantages, returns = self._advantages(batch, rows, local, rec)
+        check_finite(advantages=advantages)
+
+        per_mb = B // cfg.minibatches
+        n_local = per_mb // self.world
+        sums = collections.Counter()
+        grad_norms = []
+        bw_max = torch.zeros(1, device=be.device)
+        for m in range(cfg.minibatches):
+            mb_rows = slice(m * per_mb, (m + 1) * per_mb)
+            counts = dict(num_tokens=float(batch.mask[mb_rows].sum()), num_seqs=float(per_mb))
+            local_m = local.rows(torch.arange(m * n_local, (m + 1) * n_local))
+            for s, mb in self._micro_batches(local_m):
+                idx = slice(m * n_local + s, m * n_local + s + mb.input_ids.shape[0])
+                t = time.perf_counter()
+                logp, entropy = be.logprobs(mb.input_ids, mb.attention_mask, mb.positions, with_entropy=True)
+                pg, st = policy_loss(
+                    logp, rec["prox_logp"][idx], mb.behavior_logp, advantages[idx], mb.mask,
+                    clip_eps=cfg.clip_eps, correction=cfg.correction, is_cap=cfg.is_cap,
+                    level=cfg.correction_level, ratio_to=cfg.ratio_to, agg=cfg.loss_agg, **counts,
+                )
+                ent = aggregate(entropy, mb.mask, cfg.loss_agg, **counts)
+                loss = pg - cfg.entropy_coef * ent
+                if "ref_logp" in rec:
+                    kl = aggregate(kl_penalty(logp, rec["ref_logp"][idx], cfg.kl_estimator), mb.mask,
+                                   cfg.loss_agg, **counts)
+                    if cfg.kl_mode == "loss":
+                        loss = loss + cfg.kl_coef * kl
+                    sums["kl"] += kl.item()
+                timing["forward"] += time.perf_counter() - t
+                t = time.perf_counter()
+                be.backward(loss)
+                timing["backward"] += time.perf_counter() - t
+                t = time.perf_counter()
+                norm = be.step()
+                timing["step"] += time.perf_counter() - t
+                if norm is not None:
+                    grad_norms.append(norm)
+                if be.critic is not None:
+                    self._critic_micro_step(mb, rec["old_values"][idx], returns[idx], counts, sums, timing)
+                ntok = float(mb.mask.sum())
+                sums.update(loss=loss.item(), loss_policy=pg.item(), entropy=ent.item(), tokens=ntok)
+                for k in ("clip_frac", "ratio_mean", "bw_mean", "bw_capped_frac"):
+                    sums[k] += st[k] * ntok
+                bw_max = torch.maximum(bw_max, torch.tensor([st["bw_max"]], device=be.device))
+        return self._reduce_stats(sums, bw_max, grad_norms)
+
+    def _critic_micro_step(self, mb: Batch, old_values, returns, counts, sums, timing) -> None:
+        be = self.backend
+        t = time.perf_counter()
+        values = be.values(mb.input_ids, mb.attention_mask, mb.positions)
+        vloss, vst = value_loss(values, old_values, returns, mb.mask, clip=self.cfg.value_clip,
+                                agg=self.cfg.loss_agg, **counts)
+        timing["forward"] += time.perf_counter() - t
+        t = time.perf_counter()
+        be.backward(vloss, be.critic)
+        timing["backward"] += time.perf_counter() - t
+        t = time.perf_counter()
+        be.step(be.critic)
+        timing["step"] += time.perf_counter() - t
+        sums.update(value_loss=vloss.item(), value_clip_frac=vst["value_clip_frac"] * float(mb.mask.sum()))
+
+    def _reduce_stats(self, sums, bw_max, grad_norms) -> dict:
+        """Sum loss parts over ranks (each is a share of the global loss); token-weight the rest."""
+        keys = sorted(sums)
+        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.backend.device)
+        if self.world > 1:
+            dist.all_reduce(vec)
+            dist.all_reduce(bw_max, op=dist.ReduceOp.MAX)
+        total = dict(zip(keys, vec.tolist()))
+        ntok = max(total.pop("tokens"), 1.0)
+        out = {}
+        for k, v in total.items():
+            if k in ("clip_frac", "ratio_mean", "bw_mean", "bw_capped_frac", "value_clip_frac"):
+                out[k] = v / ntok
+            else:  # loss parts: summed shares over micro-batches, averaged over optimizer steps
+                out[k] = v / self.cfg.minibatches
+        out["bw_max"] = float(bw_max)
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        return out
+
+    # -- checkpoint ------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        """DeepSpeed checkpoint + version + counters (collective)."""
+        state = {"policy_version": self.version, "counters": dict(self.counters)}
+        self.backend.save_checkpoint(self.ckpt_dir, tag=f"v{self.version}", client_state=state)
+
+    def resume(self) -> bool:
+        """Restore the latest checkpoint in ckpt_dir if there is one; True if restored."""
+        state = self.backend.load_checkpoint(self.ckpt_dir) if self.ckpt_dir else None
+        if state is None:
+            return False
+        self.version = int(state["policy_version"])
+        self.counters = collections.Counter(state["counters"])
+        return True

@@ -1,0 +1,125 @@
+"""The DeepSpeed learner on the tiny model, in this process (one rank, gloo on CPU)."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from async_rlhf.config import LearnerConfig
+from async_rlhf.types import Received
+from learners.advantages import grpo_advantages
+from learners.deepspeed_backend import DeepSpeedBackend
+from learners.learner import Batch, Learner
+from learners.losses import policy_loss
+from learners.memory import FifoReplay, ListQueue, random_trajectories
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from learners.memory import build_llama
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    build_llama("tiny", seed=0).save_pretrained(path)
+    return str(path)
+
+
+class RecordingPublisher:
+    def __init__(self):
+        self.versions, self.weights = [], {}
+
+    def publish(self, named_tensors, version):
+        self.weights = dict(named_tensors)
+        self.versions.append(version)
+
+
+def make_learner(model_dir, trajectories=(), max_staleness=2, temperature=1.0, **overrides):
+    cfg = LearnerConfig(**{"batch_size": 8, "micro_batch": 4, "lr": 3e-3, **overrides})
+    backend = DeepSpeedBackend(cfg, model_dir, temperature=temperature)
+    queue, publisher = ListQueue(trajectories), RecordingPublisher()
+    learner = Learner(cfg, backend, max_staleness=max_staleness, queue=queue,
+                      replay=FifoReplay(max_staleness), publisher=publisher)
+    return learner, queue, publisher
+
+
+def test_fixed_batch_objective_decreases_and_metrics_are_complete(tiny_model_dir):
+    fixed = random_trajectories(8, vocab=VOCAB, seed=3)
+    learner, queue, publisher = make_learner(tiny_model_dir, temperature=0.7)
+    be = learner.backend
+    batch = Batch.from_received([Received(str(i), t) for i, t in enumerate(fixed)])
+    args = (batch.input_ids, batch.attention_mask, batch.positions)
+    with torch.no_grad():
+        prox0 = be.logprobs(*args)[0]
+        # the learner's log-probs are those of softmax(logits / temperature)
+        logits = be.engine.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        direct = torch.log_softmax(logits[:, :-1] / 0.7, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+        assert torch.allclose(prox0, direct.gather(1, batch.positions), atol=1e-6)
+    adv = grpo_advantages(batch.rewards, batch.groups)[:, None] * batch.mask
+
+    def objective():  # the batch's (unclipped) surrogate loss against the initial pi_prox
+        with torch.no_grad():
+            logp = be.logprobs(*args)[0]
+            return policy_loss(logp, prox0, batch.behavior_logp, adv, batch.mask, clip_eps=1e3)[0].item()
+
+    values = [objective()]
+    for _ in range(4):  # the same batch again each step, stamped fresh so it is not stale
+        queue.put([dataclasses.replace(t, policy_version=learner.version) for t in fixed])
+        metrics = learner.step()
+        values.append(objective())
+    assert values[-1] < values[0] - 0.05, values
+    assert all(b < a for a, b in zip(values, values[1:])), values
+
+    assert learner.version == 4 and publisher.versions == [1, 2, 3, 4]
+    assert set(publisher.weights) == {n for n, _ in be.engine.module.named_parameters()}
+    assert queue.counters["trained"] == 32 and not queue.pending
+    for key in ("loss", "loss_policy", "entropy", "clip_frac", "bw_mean", "bw_max", "bw_capped_frac",
+                "grad_norm", "samples", "tokens", "reward_mean", "staleness_hist", "staleness_max",
+                "time_wait", "time_forward", "time_backward", "time_step", "time_weight_gather",
+                "time_publish"):
+        assert key in metrics, key
+    assert metrics["samples"] == 8 and metrics["tokens"] == 64 and math.isfinite(metrics["grad_norm"])
+
+
+def test_stale_and_malformed_trajectories_are_acked_with_a_reason_not_trained(tiny_model_dir):
+    fresh = random_trajectories(8, vocab=VOCAB, version=3, seed=1)
+    bad_logp = dataclasses.replace(fresh[0], behavior_logprobs=np.full(8, np.nan, np.float32))
+    bad_reward = dataclasses.replace(fresh[1], reward=float("inf"))
+    stale = random_trajectories(4, vocab=VOCAB, version=1, seed=2)  # 3 - 1 = 2 > k = 1
+    learner, queue, _ = make_learner(tiny_model_dir, stale + [bad_logp, bad_reward] + fresh, max_staleness=1)
+    learner.version = 3
+    metrics = learner.step()
+    assert dict(queue.counters) == {"produced": 14, "dropped_stale": 4, "trained": 8,
+                                    "invalid_non_finite_logprob": 1, "invalid_non_finite_reward": 1}
+    assert metrics["count_dropped_stale"] == 4 and metrics["staleness_hist"] == {0: 8}
+    assert math.isfinite(metrics["loss"])
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(advantage="gae", kl_coef=0.1, kl_mode="reward", critic_lr=1e-3),
+    dict(advantage="reinforce_pp", kl_coef=0.1, kl_estimator="k2", gamma=0.9, entropy_coef=0.01),
+    dict(advantage="rloo", minibatches=2, loss_agg="seq_mean_token_sum", correction="mask",
+         correction_level="sequence", ratio_to="behavior"),
+])
+def test_other_estimators_and_kl_modes_train(tiny_model_dir, overrides):
+    learner, queue, _ = make_learner(tiny_model_dir, random_trajectories(16, vocab=VOCAB), **overrides)
+    history = learner.train(steps=2)
+    assert learner.version == 2 and queue.counters["trained"] == 16
+    for m in history:
+        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+    if overrides["advantage"] == "gae":
+        assert "value_loss" in history[-1] and history[-1]["kl"] > 0
+
+
+def test_hf_export_round_trips(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    learner, _, _ = make_learner(tiny_model_dir, random_trajectories(8, vocab=VOCAB), zero_stage=1)
+    learner.step()
+    learner.backend.save_pretrained(tmp_path / "hf")
+    weights = learner.backend.full_state_dict()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    for name, p in reloaded.named_parameters():
+        assert torch.equal(p, weights[name]), name
