@@ -1,13 +1,21 @@
-"""The staleness bound k as an admission gate (AReaL's rule) plus the learner-side check.
+"""The staleness bound k as an admission gate (AReaL's rule); the learner also drops what is older.
 
-Samples are trained in the order they are accepted, `batch_size` per learner step. A sample
-admitted while the learner is at version V gets an index below (k + V + 1) * batch_size if the
-gate admits it only while
+Samples are trained in the order they are accepted, `batch_size` per learner step, so the i-th
+accepted sample is trained at learner version floor(i / batch_size). A generator whose weights
+are version v is admitted to generate n more samples only while
 
-    accepted + running + n <= (k + V + 1) * batch_size,
+    accepted + running + n <= (k + v + 1) * batch_size,
 
-so it is consumed by step (k + V) at the latest: staleness <= k. k = 0 is synchronous on-policy
-RL: generation for version V+1 waits until the batch for V has been trained.
+so each of them is trained by version k + v at the latest: staleness <= k, as long as batches
+finish in the order they were admitted. They need not (generators run at different speeds, and a
+sample whose reward failed leaves a gap), so the gate keeps staleness low rather than exact: the
+learner drops (and counts) whatever still arrives older than k. A whole batch is admitted while
+any slot is free, so a gap left by set-aside samples can never stall a k = 0 job one sample
+short of a learner batch. Using the version of
+the weights that will generate (rather than the learner's) keeps the bound exact while a weight
+update is in flight, and holds back a generator that joined with old weights until it has
+received new ones. k = 0 is synchronous on-policy RL: generation with version v+1 waits until the
+batch for v has been trained and its weights published.
 """
 
 from __future__ import annotations
@@ -17,12 +25,11 @@ from dataclasses import dataclass
 
 @dataclass
 class StalenessGate:
-    """Counts samples admitted for generation; pure logic, no I/O (the launcher shares it)."""
+    """Counts samples admitted for generation. Pure logic: the launcher shares one instance."""
 
     max_staleness: int
     batch_size: int
-    version: int = 0  # current learner policy version
-    accepted: int = 0  # samples generated and handed to the queue
+    accepted: int = 0  # samples generated and handed to the queue, not dropped since
     running: int = 0  # samples admitted, still being generated
 
     def __post_init__(self) -> None:
@@ -31,14 +38,14 @@ class StalenessGate:
         if self.batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {self.batch_size}")
 
-    def capacity(self) -> int:
-        """How many more samples may be admitted now."""
-        limit = (self.max_staleness + self.version + 1) * self.batch_size
+    def capacity(self, version: int) -> int:
+        """How many more samples weights of `version` may start generating now."""
+        limit = (self.max_staleness + version + 1) * self.batch_size
         return max(0, limit - (self.accepted + self.running))
 
-    def try_admit(self, n: int) -> bool:
-        """Reserve n samples of generation if the bound allows all of them."""
-        if n > self.capacity():
+    def try_admit(self, n: int, version: int) -> bool:
+        """Reserve n samples of generation with weights `version` while a slot is free."""
+        if self.capacity(version) <= 0:
             return False
         self.running += n
         return True
@@ -46,7 +53,7 @@ class StalenessGate:
     def finish(self, n_admitted: int, n_accepted: int) -> None:
         """A generation batch ended: n_accepted of its n_admitted samples reached the queue.
 
-        Samples set aside (a reward that failed, say) free their slot for new work.
+        Samples set aside (a reward that failed, a generator that died) free their slots.
         """
         if not 0 <= n_accepted <= n_admitted <= self.running:
             raise ValueError(
@@ -56,11 +63,8 @@ class StalenessGate:
         self.running -= n_admitted
         self.accepted += n_accepted
 
-    def set_version(self, version: int) -> None:
-        if version < self.version:
-            raise ValueError(f"policy version went back from {self.version} to {version}")
-        self.version = version
-
     def forget(self, n: int) -> None:
         """n accepted samples were dropped before training (stale or malformed): free their slots."""
+        if not 0 <= n <= self.accepted:
+            raise ValueError(f"forget({n}) with {self.accepted} accepted")
         self.accepted -= n
