@@ -1,8 +1,8 @@
 """`async-rlhf` command line.
 
 Each subcommand lives in the module that owns it, which provides `add_arguments(parser)` and
-`run(args) -> int`; this file only lists them, so `async-rlhf --help` stays fast (heavy imports
-happen inside `run`).
+`run(args) -> int` (or `add_<name>_arguments` and `run_<name>` where one module holds several);
+this file only lists them, so `async-rlhf --help` stays fast (heavy imports happen inside `run`).
 """
 
 from __future__ import annotations
@@ -11,34 +11,39 @@ import argparse
 import importlib
 import sys
 
-# name -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("async_rlhf.launcher", "run a training job (generators + learner + Redis stream)"),
-    "init-model": ("actors.model_init", "build a random-init Llama-style model and tokenizer offline"),
-    "bench-queue": ("buffer.bench", "experience-stream throughput vs raw redis-py"),
-    "bench-gen": ("actors.bench", "generation throughput: vLLM engine vs transformers"),
-    "bench-learner": ("learners.bench", "learner throughput and time split"),
+# name -> (module, one-line help, function suffix or "")
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "train": ("async_rlhf.launcher", "run a training job (generators + learner + Redis stream)", ""),
+    "status": ("async_rlhf.jobctl", "show a running job: generators, learner, queue", "status"),
+    "add-generators": ("async_rlhf.jobctl", "add generators to a running job", "generators"),
+    "stop": ("async_rlhf.jobctl", "stop a running job cleanly after its current step", "stop"),
+    "init-model": ("actors.model_init", "build a random-init Llama-style model and tokenizer offline", ""),
+    "bench-queue": ("buffer.bench", "experience-stream throughput vs raw redis-py", ""),
+    "bench-gen": ("actors.bench", "generation throughput: vLLM engine vs transformers", ""),
+    "bench-learner": ("learners.bench", "learner throughput and time split", ""),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="async-rlhf", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    modules = {}
-    for name, (module_name, help_text) in COMMANDS.items():
+    runners = {}
+    for name, (module_name, help_text, suffix) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         try:
-            modules[name] = importlib.import_module(module_name)
+            module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
             if e.name != module_name:
                 raise
             continue  # not built yet: the subcommand says so when run
-        modules[name].add_arguments(p)
+        infix = f"_{suffix}" if suffix else ""
+        getattr(module, f"add{infix}_arguments")(p)
+        runners[name] = getattr(module, f"run{infix}")
     args = parser.parse_args(argv)
-    if args.command not in modules:
+    if args.command not in runners:
         print(f"async-rlhf {args.command}: not available yet in this version", file=sys.stderr)
         return 2
-    return int(modules[args.command].run(args) or 0)
+    return int(runners[args.command](args) or 0)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:

@@ -228,6 +228,16 @@ class Config(_Section):
     def _validate(self) -> None:
         _check(self.max_staleness >= 0, "max_staleness", self.max_staleness, ">= 0")
         _check(len(self.rewards) > 0, "rewards", self.rewards, "a non-empty list")
+        # The staleness gate admits whole generation batches; one that does not divide the
+        # learner batch leaves part of every generation to go stale (all of it at k = 0).
+        _check(
+            self.learner.batch_size % self.samples_per_generation == 0,
+            "learner.batch_size",
+            self.learner.batch_size,
+            f"a multiple of generator.prompts_per_batch x generator.group_size "
+            f"({self.generator.prompts_per_batch} x {self.generator.group_size} = "
+            f"{self.samples_per_generation})",
+        )
 
     @property
     def samples_per_generation(self) -> int:

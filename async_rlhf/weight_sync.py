@@ -101,6 +101,7 @@ class WeightBroadcaster:
         self.last_publish_s = 0.0
         self.last_publish_bytes = 0
         self.failures = 0
+        self.last_error = ""
 
     @property
     def epoch(self) -> int:
@@ -150,8 +151,12 @@ class WeightBroadcaster:
                 log.warning("closing weight-sync epoch %d: %s", self._epoch, e)
             self._group = None
 
-    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Broadcast full weights stamped with `version` to the current epoch's generators."""
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> bool:
+        """Broadcast full weights stamped with `version` to the current epoch's generators.
+
+        A failure (a member died, one never joined) is logged and counted, never raised: the
+        learner keeps training and the launcher forms a new epoch. Returns whether it was sent.
+        """
         with self._lock:
             start = time.perf_counter()
             try:
@@ -160,12 +165,15 @@ class WeightBroadcaster:
                 if self._group is None:
                     for _ in named_tensors:
                         pass
-                    return
+                    return False
                 self.last_publish_bytes = self._send(named_tensors, version)
-            except Exception:
-                self._group = None  # broken (a member died): wait for the next epoch
+                return True
+            except Exception as e:
+                self._group = None  # broken: wait for the next epoch
                 self.failures += 1
-                raise
+                self.last_error = str(e)
+                log.error("weight broadcast of version %d failed: %s", version, e)
+                return False
             finally:
                 self.last_publish_s = time.perf_counter() - start
 

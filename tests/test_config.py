@@ -49,6 +49,7 @@ def test_rewards_list(tmp_path):
         ("learner.lerning_rate=1", "unknown config key learner.'lerning_rate'"),
         ("bogus=1", "unknown config key 'bogus'"),
         ("data.source=jsonl", "data.path must be set when data.source=jsonl"),
+        ("generator.group_size=3", "learner.batch_size must be a multiple of generator.prompts_per_batch"),
         ("learner=3", "learner. must be a mapping, got 3"),
     ],
 )
