@@ -92,8 +92,13 @@ class ListQueue:
                 self.acked[e] = reason
                 self.counters[reason] += 1
 
+    def dead_letter(self, reason: str, detail: str, payload: bytes = b"") -> None:
+        self.counters["dead_lettered"] += 1
+        self.counters[reason] += 1
+
     def stats(self) -> QueueStats:
-        return QueueStats(len(self._entries), len(self.pending), 0, dict(self.counters))
+        return QueueStats(len(self._entries), len(self.pending), self.counters["dead_lettered"],
+                          dict(self.counters))
 
 
 class FifoReplay:

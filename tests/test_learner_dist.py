@@ -1,0 +1,160 @@
+"""The DeepSpeed learner in separate processes on gloo: data-parallel ranks and kill/resume.
+
+Each test starts real ranks with `python tests/test_learner_dist.py <json>` (the worker at the
+bottom of this file), one process per rank on a free loopback port.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 256
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(spec: dict, ranks: int, timeout: float = 300) -> list[int]:
+    """Start `ranks` worker processes on one gloo group; their exit codes."""
+    port = _free_port()
+    procs = []
+    for rank in range(ranks):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(ROOT))
+        procs.append(subprocess.Popen([sys.executable, __file__, json.dumps({**spec, "ranks": ranks})],
+                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    codes = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        codes.append(p.returncode)
+        if p.returncode not in (0, -signal.SIGKILL):
+            print(out.decode()[-4000:])
+    return codes
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from learners.memory import build_llama
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    build_llama("tiny", seed=0).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def one_rank_weights(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one-rank")
+    assert run_ranks(dict(mode="train", model=tiny_model_dir, out=str(out), zero_stage=0), 1) == [0]
+    return torch.load(out / "weights.pt"), json.loads((out / "metrics.json").read_text())
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_two_ranks_match_one_rank(tiny_model_dir, one_rank_weights, tmp_path, zero_stage):
+    spec = dict(mode="train", model=tiny_model_dir, out=str(tmp_path), zero_stage=zero_stage)
+    assert run_ranks(spec, 2) == [0, 0]
+    one, one_metrics = one_rank_weights
+    two = torch.load(tmp_path / "weights.pt")
+    initial = torch.load(tmp_path / "initial.pt")
+    assert two.keys() == one.keys()
+    moved = max(float((one[k] - initial[k]).abs().max()) for k in two)
+    diff = max(float((two[k] - one[k]).abs().max()) for k in two)
+    assert moved > 1e-3, "training did not change the weights"
+    assert diff < 1e-5, (diff, moved)
+    # Adam hides a wrong gradient scale in the weights; the loss and grad norm do not
+    for a, b in zip(one_metrics, json.loads((tmp_path / "metrics.json").read_text())):
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (k, a, b)
+
+
+def test_checkpoint_kill_resume_keeps_version_and_counters(tiny_model_dir, tmp_path):
+    spec = dict(model=tiny_model_dir, out=str(tmp_path), zero_stage=3, ckpt=str(tmp_path / "ckpt"))
+    # trains v1, v2 (checkpoint after each), then is SIGKILLed while publishing v3
+    assert run_ranks({**spec, "mode": "crash"}, 1) == [-signal.SIGKILL]
+    saved = json.loads((tmp_path / "crash.json").read_text())
+    assert saved["version"] == 2
+    assert run_ranks({**spec, "mode": "resume"}, 1) == [0]
+    resumed = json.loads((tmp_path / "resume.json").read_text())
+    assert resumed["resumed_version"] == 2
+    assert resumed["resumed_counters"] == saved["counters"]
+    assert resumed["weights_equal_checkpoint"]
+    assert resumed["version"] == 3
+    assert resumed["counters"]["samples"] == saved["counters"]["samples"] + 8
+    assert resumed["counters"]["steps"] == 3
+
+
+# ---- worker ----------------------------------------------------------------------------------
+def _worker(spec: dict) -> None:
+    import dataclasses
+
+    from async_rlhf.config import LearnerConfig
+    from learners.deepspeed_backend import DeepSpeedBackend
+    from learners.learner import Learner
+    from learners.memory import FifoReplay, ListQueue, random_trajectories
+
+    torch.set_num_threads(1)
+    out = Path(spec["out"])
+    cfg = LearnerConfig(batch_size=8, micro_batch=2, ranks=spec["ranks"], zero_stage=spec["zero_stage"],
+                        lr=1e-3, checkpoint_every=1)
+    backend = DeepSpeedBackend(cfg, spec["model"])
+    rank0 = backend.rank == 0
+    mode = spec["mode"]
+
+    class Publisher:
+        def publish(self, named, version):
+            weights = {k: v.clone() for k, v in named}
+            if mode == "crash" and version == 2:
+                torch.save(weights, out / "weights_v2.pt")
+            if mode == "crash" and version == 3:
+                os.kill(os.getpid(), signal.SIGKILL)  # after step 3, before its checkpoint
+
+    start = 2 if mode == "resume" else 0
+    trajs = [dataclasses.replace(t, policy_version=start)
+             for t in random_trajectories(24, vocab=VOCAB, seed=7 + start)]
+    queue = ListQueue(trajs) if rank0 else None
+    learner = Learner(cfg, backend, max_staleness=4, queue=queue, replay=FifoReplay(4) if rank0 else None,
+                      publisher=Publisher() if rank0 else None, ckpt_dir=spec.get("ckpt"))
+    if mode == "train":
+        initial = backend.full_state_dict()
+        history = learner.train(steps=2)
+        weights = backend.full_state_dict()
+        if rank0:
+            torch.save(initial, out / "initial.pt")
+            torch.save(weights, out / "weights.pt")
+            keep = ("loss", "loss_policy", "entropy", "grad_norm", "bw_mean", "tokens")
+            (out / "metrics.json").write_text(json.dumps([{k: m[k] for k in keep} for m in history]))
+    elif mode == "crash":
+        learner.train(steps=2)
+        (out / "crash.json").write_text(json.dumps({"version": learner.version,
+                                                    "counters": dict(learner.counters)}))
+        learner.train(steps=1)
+    else:
+        assert learner.resume()
+        report = {"resumed_version": learner.version, "resumed_counters": dict(learner.counters)}
+        before = backend.full_state_dict()
+        saved = torch.load(out / "weights_v2.pt")
+        report["weights_equal_checkpoint"] = all(torch.equal(before[k], saved[k]) for k in saved)
+        learner.train(steps=1)
+        report.update(version=learner.version, counters=dict(learner.counters))
+        (out / "resume.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    _worker(json.loads(sys.argv[1]))
