@@ -1,10 +1,11 @@
 """`async-rlhf bench-queue`: experience-stream throughput next to raw redis-py, in one run.
 
-Produce: RedisExperienceQueue.put (encode + pipelined XADD in MULTI/EXEC + backlog check) vs
-raw pipelined XADD of the same pre-encoded bytes. Consume: RedisExperienceQueue.get + ack
-(XAUTOCLAIM check, XREADGROUP, decode + validate, owner-checked XACK + XDEL in Lua) vs raw
-XREADGROUP + XACK. Each side runs `--rounds` times alternately on fresh streams, after a
-warm-up; the median round is reported.
+Produce: RedisExperienceQueue.put (encode + pipelined XADDs in MULTI/EXEC + counter + backlog
+measure) vs raw pipelined XADD of the same pre-encoded bytes. Consume: RedisExperienceQueue.get +
+ack (XAUTOCLAIM check, XREADGROUP, decode + validate, owner-checked XACK + XDEL in Lua) vs raw
+XREADGROUP + XACK. A third row, raw + codec, adds encode/decode to the raw loop: the difference
+between it and the queue is the queue's own bookkeeping, the rest is the codec. Rounds run
+interleaved on fresh streams after a warm-up; the median is reported.
 """
 
 from __future__ import annotations
@@ -47,22 +48,30 @@ def _trajectories(n: int, tokens: int, prompt_tokens: int) -> list:
     ]
 
 
-def _raw_round(client, payloads: list[bytes], batch: int) -> tuple[float, float]:
+def _raw_round(client, trajs: list, payloads: list[bytes], batch: int, codec: bool):
+    """Raw redis-py: pipelined XADD, XREADGROUP + XACK. With `codec`, also encode before the
+    XADDs and decode (and validate) after the reads: the queue's work minus its bookkeeping."""
+    from buffer.codec import decode, encode
+
     stream, group = f"bench-raw-{uuid.uuid4().hex[:8]}", "g"
     client.xgroup_create(stream, group, id="0", mkstream=True)
     t0 = time.perf_counter()
     for start in range(0, len(payloads), batch):
+        chunk = [encode(t) for t in trajs[start : start + batch]] if codec else payloads[start : start + batch]
         pipe = client.pipeline(transaction=False)
-        for data in payloads[start : start + batch]:
+        for data in chunk:
             pipe.xadd(stream, {b"t": data})
         pipe.execute()
     t1 = time.perf_counter()
     consumed = 0
     while consumed < len(payloads):
         reply = client.xreadgroup(group, "c", {stream: ">"}, count=batch)
-        ids = [entry_id for entry_id, _ in reply[0][1]]
-        client.xack(stream, group, *ids)
-        consumed += len(ids)
+        entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
+        if codec:
+            for _, fields in entries:
+                decode(fields[b"t"])
+        client.xack(stream, group, *[entry_id for entry_id, _ in entries])
+        consumed += len(entries)
     t2 = time.perf_counter()
     client.delete(stream)
     return t1 - t0, t2 - t1
@@ -103,14 +112,15 @@ def run(args: argparse.Namespace) -> int:
     server = None if args.redis_url else EmbeddedRedis(durable=args.durable).start()
     url = args.redis_url or server.url
     client = redis.Redis.from_url(url, decode_responses=False)
+    rounds: dict[str, list[tuple[float, float]]] = {"raw": [], "raw_codec": [], "queue": []}
     try:
         warm = min(args.n, 2 * args.batch)
-        _raw_round(client, payloads[:warm], args.batch)
+        _raw_round(client, trajs[:warm], payloads[:warm], args.batch, codec=True)
         _queue_round(client, trajs[:warm], args.batch)
-        raw, queue = [], []
-        for _ in range(args.rounds):
-            raw.append(_raw_round(client, payloads, args.batch))
-            queue.append(_queue_round(client, trajs, args.batch))
+        for _ in range(args.rounds):  # interleaved, so that load changes hit all three alike
+            rounds["raw"].append(_raw_round(client, trajs, payloads, args.batch, codec=False))
+            rounds["raw_codec"].append(_raw_round(client, trajs, payloads, args.batch, codec=True))
+            rounds["queue"].append(_queue_round(client, trajs, args.batch))
     finally:
         client.close()
         if server is not None:
@@ -125,22 +135,27 @@ def run(args: argparse.Namespace) -> int:
         "batch": args.batch, "rounds": args.rounds, "bytes_per_traj": mb * 1e6 / args.n,
         "redis": "external" if args.redis_url else ("embedded, AOF everysec" if args.durable
                                                     else "embedded, no persistence"),
-        "raw": {"produce": rate([r[0] for r in raw]), "consume": rate([r[1] for r in raw])},
-        "queue": {"produce": rate([q[0] for q in queue]), "consume": rate([q[1] for q in queue])},
     }
-    for side in ("produce", "consume"):
-        results["queue"][side]["ratio_to_raw"] = (
-            results["queue"][side]["traj_per_s"] / results["raw"][side]["traj_per_s"]
-        )
-    print(f"{args.n} trajectories x {args.tokens} tokens ({results['bytes_per_traj']:.0f} B each), "
-          f"batch {args.batch}, median of {args.rounds} rounds, {results['redis']}")
-    print(f"{'':28}{'traj/s':>10}{'MB/s':>9}{'vs raw':>9}")
-    for name, key in (("raw redis-py", "raw"), ("RedisExperienceQueue", "queue")):
+    for key, times in rounds.items():
+        results[key] = {"produce": rate([t[0] for t in times]), "consume": rate([t[1] for t in times])}
+    for key in ("raw_codec", "queue"):
         for side in ("produce", "consume"):
             r = results[key][side]
+            r["ratio_to_raw"] = r["traj_per_s"] / results["raw"][side]["traj_per_s"]
+            if key == "queue":
+                r["ratio_to_raw_codec"] = r["traj_per_s"] / results["raw_codec"][side]["traj_per_s"]
+    print(f"{args.n} trajectories x {args.tokens} tokens ({results['bytes_per_traj']:.0f} B each), "
+          f"batch {args.batch}, median of {args.rounds} rounds, {results['redis']}")
+    print(f"{'':34}{'traj/s':>9}{'MB/s':>8}{'vs raw':>8}{'vs raw+codec':>14}")
+    rows = (("raw redis-py", "raw"), ("raw redis-py + codec", "raw_codec"),
+            ("RedisExperienceQueue", "queue"))
+    for side, verb in (("produce", "put"), ("consume", "get+ack")):
+        for name, key in rows:
+            r = results[key][side]
             ratio = f"{r['ratio_to_raw']:.0%}" if "ratio_to_raw" in r else ""
-            label = f"{name} {'put' if side == 'produce' else 'get+ack'}"
-            print(f"{label:28}{r['traj_per_s']:>10.0f}{r['mb_per_s']:>9.1f}{ratio:>9}")
+            ratio_codec = f"{r['ratio_to_raw_codec']:.0%}" if "ratio_to_raw_codec" in r else ""
+            print(f"{name + ' ' + verb:34}{r['traj_per_s']:>9.0f}{r['mb_per_s']:>8.1f}{ratio:>8}"
+                  f"{ratio_codec:>14}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -126,10 +126,11 @@ def _chunks(items: Sequence, size: int) -> Iterable[Sequence]:
 class RedisExperienceQueue:
     """ExperienceQueue on a Redis Stream; one object per process and consumer name.
 
-    put: pipelined XADDs in one MULTI/EXEC with the `produced` count, after waiting while
-    more than `max_backlog` entries are undelivered (one put may overshoot by its own size, and
-    concurrent producers by theirs). get: reclaims entries idle > claim_idle_ms first, then
-    reads new ones; entries that fail to decode are dead-lettered, never returned.
+    put: chunks of pipelined XADDs, each in one MULTI/EXEC with the `produced` count, each
+    waiting while the undelivered backlog leaves no room for it. get: reclaims entries idle >
+    claim_idle_ms first (including this consumer name's own, left by a previous incarnation
+    that crashed), then reads new ones; entries that fail to decode are dead-lettered, never
+    returned. ack / renew: see the module docstring.
     """
 
     def __init__(
@@ -164,12 +165,12 @@ class RedisExperienceQueue:
         self._dead_script = client.register_script(_DEAD_LETTER)
         self._claim_cursor = b"0-0"
         self._held: set[str] = set()  # delivered to this consumer, not yet acked
-        self._backlog_seen = 0  # undelivered entries, as measured after the last put
         try:
             client.xgroup_create(stream, group, id="0", mkstream=True)
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
+        self._backlog_seen = self._backlog()  # undelivered entries, as measured after a put
 
     @classmethod
     def from_config(cls, cfg: QueueConfig, url: str, consumer: str) -> RedisExperienceQueue:
@@ -256,6 +257,8 @@ class RedisExperienceQueue:
         """Up to `count` entries: those idle > claim_idle_ms in another consumer's hands if
         any, else new ones, waiting up to block_ms (<= 0: not at all) for some to arrive.
         Malformed entries are dead-lettered instead of returned."""
+        if count <= 0:
+            raise ValueError(f"count must be > 0, got {count}")
         entries = self._reclaim(count)
         if not entries:
             reply = self._r.xreadgroup(
