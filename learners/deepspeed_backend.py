@@ -64,8 +64,8 @@ def init_distributed(device: str) -> tuple[int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-def _attn_implementation(device: str, want_flash: bool) -> str:
-    if device.startswith("cuda") and want_flash:
+def _attn_implementation(device: str, want_flash: bool, dtype: torch.dtype) -> str:
+    if device.startswith("cuda") and want_flash and dtype != torch.float32:  # FA2: 16-bit only
         try:
             import flash_attn  # noqa: F401
 
@@ -139,7 +139,7 @@ class DeepSpeedBackend:
             )
         torch.manual_seed(seed)
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-        attn = _attn_implementation(self.device, cfg.flash_attention)
+        attn = _attn_implementation(self.device, cfg.flash_attention, self.dtype)
 
         def load(path_or_model: str | nn.Module) -> nn.Module:
             if isinstance(path_or_model, nn.Module):

@@ -73,9 +73,7 @@ class Batch:
         )
         group_index: dict[str, int] = {}
         for i, t in enumerate(trajs):
-            P, R = len(t.prompt_ids), len(t.response_ids)
-            if P == 0:
-                raise TrajectoryError("empty_prompt", "the learner needs at least one prompt token")
+            P, R = len(t.prompt_ids), len(t.response_ids)  # P >= 1: checked by Learner._admit
             ids = np.concatenate([t.prompt_ids, t.response_ids]).astype(np.int64)
             out.input_ids[i, : P + R] = torch.from_numpy(ids)
             out.attention_mask[i, : P + R] = 1
@@ -144,6 +142,7 @@ class Learner:
         flag = torch.tensor([int(publisher is not None)], device=backend.device)
         dist.broadcast(flag, 0)  # every rank joins the ZeRO-3 gather iff rank 0 publishes
         self._publish = bool(flag.item())
+        self._vocab = backend.engine.module.config.vocab_size
 
     # -- the loop --------------------------------------------------------------------------
     def train(self, steps: int | None = None) -> list[dict]:
@@ -176,13 +175,7 @@ class Learner:
             self.queue.ack(first_use, reason="trained")
             self.counters["trained_first_use"] += len(first_use)
 
-        t = time.perf_counter()
-        weights = self.backend.full_state_dict() if self._publish else {}
-        timing["weight_gather"] = time.perf_counter() - t
-        t = time.perf_counter()
-        if self.rank == 0 and self.publisher is not None:
-            self.publisher.publish(weights.items(), self.version)
-        timing["publish"] = time.perf_counter() - t
+        self.publish_weights(timing)
 
         metrics = {
             "version": self.version,
@@ -199,6 +192,18 @@ class Learner:
         if self.rank == 0 and self.on_metrics is not None:
             self.on_metrics(metrics)
         return metrics
+
+    def publish_weights(self, timing: collections.Counter | None = None) -> None:
+        """Gather full weights (collective) and hand them to the publisher stamped with the
+        current version. step() calls it; call it after resume() so generators catch up."""
+        timing = collections.Counter() if timing is None else timing
+        t = time.perf_counter()
+        weights = self.backend.full_state_dict() if self._publish else {}
+        timing["weight_gather"] = time.perf_counter() - t
+        t = time.perf_counter()
+        if self.rank == 0 and self.publisher is not None:
+            self.publisher.publish(weights.items(), self.version)
+        timing["publish"] = time.perf_counter() - t
 
     # -- rank 0: the stream ----------------------------------------------------------------
     def _collect(self) -> tuple[list[Received], list[str]]:
@@ -239,6 +244,7 @@ class Learner:
         for r in received:
             try:
                 r.trajectory.validate()
+                self._check_tokens(r.trajectory)
             except TrajectoryError as e:
                 self._drop(r.entry_id, f"invalid_{e.reason}")
                 continue
@@ -247,6 +253,14 @@ class Learner:
                 continue
             keep.append(r)
         return keep
+
+    def _check_tokens(self, t) -> None:
+        if len(t.prompt_ids) == 0:
+            raise TrajectoryError("empty_prompt", "the learner needs at least one prompt token")
+        top = int(max(t.prompt_ids.max(), t.response_ids.max()))
+        if top >= self._vocab or min(t.prompt_ids.min(), t.response_ids.min()) < 0:
+            raise TrajectoryError("token_id", f"token id {top} outside the model's vocabulary "
+                                  f"[0, {self._vocab}): generator and learner use different models")
 
     def _drop(self, entry_id: str, reason: str) -> None:
         self.queue.ack([entry_id], reason=reason)
@@ -279,7 +293,7 @@ class Learner:
             if be.critic is not None:
                 out["old_values"].append(be.values(*args))
         be.engine.train()
-        timing["forward"] += time.perf_counter() - t
+        timing["recompute"] += time.perf_counter() - t
         res = {k: torch.cat(v) for k, v in out.items()}
         check_finite(**res)
         return res

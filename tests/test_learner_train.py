@@ -77,7 +77,7 @@ def test_fixed_batch_objective_decreases_and_metrics_are_complete(tiny_model_dir
     assert queue.counters["trained"] == 32 and not queue.pending
     for key in ("loss", "loss_policy", "entropy", "clip_frac", "bw_mean", "bw_max", "bw_capped_frac",
                 "grad_norm", "samples", "tokens", "reward_mean", "staleness_hist", "staleness_max",
-                "time_wait", "time_forward", "time_backward", "time_step", "time_weight_gather",
+                "time_wait", "time_recompute", "time_forward", "time_backward", "time_step", "time_weight_gather",
                 "time_publish"):
         assert key in metrics, key
     assert metrics["samples"] == 8 and metrics["tokens"] == 64 and math.isfinite(metrics["grad_norm"])
@@ -87,12 +87,15 @@ def test_stale_and_malformed_trajectories_are_acked_with_a_reason_not_trained(ti
     fresh = random_trajectories(8, vocab=VOCAB, version=3, seed=1)
     bad_logp = dataclasses.replace(fresh[0], behavior_logprobs=np.full(8, np.nan, np.float32))
     bad_reward = dataclasses.replace(fresh[1], reward=float("inf"))
+    bad_token = dataclasses.replace(fresh[2], response_ids=np.full(8, VOCAB, np.int32))
     stale = random_trajectories(4, vocab=VOCAB, version=1, seed=2)  # 3 - 1 = 2 > k = 1
-    learner, queue, _ = make_learner(tiny_model_dir, stale + [bad_logp, bad_reward] + fresh, max_staleness=1)
+    learner, queue, _ = make_learner(tiny_model_dir, stale + [bad_logp, bad_reward, bad_token] + fresh,
+                                     max_staleness=1)
     learner.version = 3
     metrics = learner.step()
-    assert dict(queue.counters) == {"produced": 14, "dropped_stale": 4, "trained": 8,
-                                    "invalid_non_finite_logprob": 1, "invalid_non_finite_reward": 1}
+    assert dict(queue.counters) == {"produced": 15, "dropped_stale": 4, "trained": 8,
+                                    "invalid_non_finite_logprob": 1, "invalid_non_finite_reward": 1,
+                                    "invalid_token_id": 1}
     assert metrics["count_dropped_stale"] == 4 and metrics["staleness_hist"] == {0: 8}
     assert math.isfinite(metrics["loss"])
 
