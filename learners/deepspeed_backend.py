@@ -204,11 +204,13 @@ class DeepSpeedBackend:
         *,
         reference: bool = False,
         with_entropy: bool = False,
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log pi(response tokens) [B, T] (and entropy [B, T]) at the sampling temperature.
 
         input_ids, attention_mask [B, L]; positions [B, T]: index of the logit that predicts each
-        response token (prompt_len - 1 + t). Gradient flows for the policy under grad mode.
+        response token (prompt_len - 1 + t). Gradient flows for the policy under grad mode; into
+        the entropy only with entropy_grad (otherwise it is a metric and keeps no graph).
         """
         model = self.reference if reference else self.engine
         if model is None:
@@ -217,7 +219,9 @@ class DeepSpeedBackend:
         logits = response_view(logits, positions).float() / self.temperature  # [B, T, V]
         targets = input_ids.gather(1, positions + 1)
         logp = token_logprobs(logits, targets)
-        entropy = entropy_from_logits(logits) if with_entropy else None
+        entropy = None
+        if with_entropy:
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
         return logp, entropy
 
     def values(self, input_ids, attention_mask, positions) -> torch.Tensor:

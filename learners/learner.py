@@ -340,7 +340,8 @@ class Learner:
             for s, mb in self._micro_batches(local_m):
                 idx = slice(m * n_local + s, m * n_local + s + mb.input_ids.shape[0])
                 t = time.perf_counter()
-                logp, entropy = be.logprobs(mb.input_ids, mb.attention_mask, mb.positions, with_entropy=True)
+                logp, entropy = be.logprobs(mb.input_ids, mb.attention_mask, mb.positions,
+                                            with_entropy=True, entropy_grad=cfg.entropy_coef > 0)
                 pg, st = policy_loss(
                     logp, rec["prox_logp"][idx], mb.behavior_logp, advantages[idx], mb.mask,
                     clip_eps=cfg.clip_eps, correction=cfg.correction, is_cap=cfg.is_cap,

@@ -36,9 +36,9 @@ class RecordingPublisher:
         self.versions.append(version)
 
 
-def make_learner(model_dir, trajectories=(), max_staleness=2, temperature=1.0, **overrides):
+def make_learner(model_dir, trajectories=(), max_staleness=2, temperature=1.0, dtype="float32", **overrides):
     cfg = LearnerConfig(**{"batch_size": 8, "micro_batch": 4, "lr": 3e-3, **overrides})
-    backend = DeepSpeedBackend(cfg, model_dir, temperature=temperature)
+    backend = DeepSpeedBackend(cfg, model_dir, temperature=temperature, dtype=dtype)
     queue, publisher = ListQueue(trajectories), RecordingPublisher()
     learner = Learner(cfg, backend, max_staleness=max_staleness, queue=queue,
                       replay=FifoReplay(max_staleness), publisher=publisher)
@@ -114,6 +114,14 @@ def test_other_estimators_and_kl_modes_train(tiny_model_dir, overrides):
         assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
     if overrides["advantage"] == "gae":
         assert "value_loss" in history[-1] and history[-1]["kl"] > 0
+
+
+def test_bf16_zero2_trains(tiny_model_dir):
+    learner, queue, publisher = make_learner(tiny_model_dir, random_trajectories(8, vocab=VOCAB),
+                                             dtype="bfloat16", zero_stage=2)
+    metrics = learner.step()
+    assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+    assert publisher.weights["lm_head.weight"].dtype == torch.bfloat16
 
 
 def test_hf_export_round_trips(tiny_model_dir, tmp_path):
