@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from learners import advantages as adv_fns
 from learners.deepspeed_backend import DeepSpeedBackend
 from learners.losses import aggregate, check_finite, kl_penalty, policy_loss, value_loss
 
+_KEEP_CHECKPOINTS = 2
 _INT_KEYS = ("input_ids", "attention_mask", "positions", "versions", "groups")
 _FLOAT_KEYS = ("mask", "behavior_logp", "rewards")
 
@@ -151,13 +153,14 @@ class Learner:
         target = self.cfg.steps if steps is None else self.version + steps
         while self.version < target:
             history.append(self.step())
-            every = self.cfg.checkpoint_every
-            if self.ckpt_dir and (self.version == target or (every and self.version % every == 0)):
-                self.save_checkpoint()
+        every = self.cfg.checkpoint_every
+        if self.ckpt_dir and history and not (every and self.version % every == 0):
+            self.save_checkpoint()  # the end of the run (step() already saved on the period)
         return history
 
     def step(self) -> dict:
-        """One policy version: wait, recompute, advantages, optimizer step(s), ack, publish."""
+        """One policy version: wait, recompute, advantages, optimizer step(s), ack, publish,
+        and a checkpoint every learner.checkpoint_every versions (when ckpt_dir is set)."""
         timing = collections.Counter()
         t = time.perf_counter()
         items, first_use = self._collect() if self.rank == 0 else ([], [])
@@ -176,6 +179,11 @@ class Learner:
             self.counters["trained_first_use"] += len(first_use)
 
         self.publish_weights(timing)
+        every = self.cfg.checkpoint_every
+        if self.ckpt_dir and every and self.version % every == 0:
+            t = time.perf_counter()
+            self.save_checkpoint()
+            timing["checkpoint"] = time.perf_counter() - t
 
         metrics = {
             "version": self.version,
@@ -412,6 +420,12 @@ class Learner:
         """DeepSpeed checkpoint + version + counters (collective)."""
         state = {"policy_version": self.version, "counters": dict(self.counters)}
         self.backend.save_checkpoint(self.ckpt_dir, tag=f"v{self.version}", client_state=state)
+        dist.barrier()
+        if self.rank == 0:  # keep the newest few: DeepSpeed never deletes a tag
+            for root in (self.ckpt_dir, self.ckpt_dir / "critic"):
+                tags = sorted((int(p.name[1:]), p) for p in root.glob("v*") if p.name[1:].isdigit())
+                for _, old in tags[:-_KEEP_CHECKPOINTS]:
+                    shutil.rmtree(old, ignore_errors=True)
 
     def resume(self) -> bool:
         """Restore the latest checkpoint in ckpt_dir if there is one; True if restored."""

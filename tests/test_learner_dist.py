@@ -86,18 +86,20 @@ def test_two_ranks_match_one_rank(tiny_model_dir, one_rank_weights, tmp_path, ze
 
 def test_checkpoint_kill_resume_keeps_version_and_counters(tiny_model_dir, tmp_path):
     spec = dict(model=tiny_model_dir, out=str(tmp_path), zero_stage=3, ckpt=str(tmp_path / "ckpt"))
-    # trains v1, v2 (checkpoint after each), then is SIGKILLed while publishing v3
+    # trains v1..v3 (checkpoint after each, the oldest pruned), then is SIGKILLed while
+    # publishing v4, before its checkpoint
     assert run_ranks({**spec, "mode": "crash"}, 1) == [-signal.SIGKILL]
     saved = json.loads((tmp_path / "crash.json").read_text())
-    assert saved["version"] == 2
+    assert saved["version"] == 3
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("v*")) == ["v2", "v3"]
     assert run_ranks({**spec, "mode": "resume"}, 1) == [0]
     resumed = json.loads((tmp_path / "resume.json").read_text())
-    assert resumed["resumed_version"] == 2
+    assert resumed["resumed_version"] == 3
     assert resumed["resumed_counters"] == saved["counters"]
     assert resumed["weights_equal_checkpoint"]
-    assert resumed["version"] == 3
+    assert resumed["version"] == 4
     assert resumed["counters"]["samples"] == saved["counters"]["samples"] + 8
-    assert resumed["counters"]["steps"] == 3
+    assert resumed["counters"]["steps"] == 4
 
 
 # ---- worker ----------------------------------------------------------------------------------
@@ -120,14 +122,14 @@ def _worker(spec: dict) -> None:
     class Publisher:
         def publish(self, named, version):
             weights = {k: v.clone() for k, v in named}
-            if mode == "crash" and version == 2:
-                torch.save(weights, out / "weights_v2.pt")
             if mode == "crash" and version == 3:
-                os.kill(os.getpid(), signal.SIGKILL)  # after step 3, before its checkpoint
+                torch.save(weights, out / "weights_v3.pt")
+            if mode == "crash" and version == 4:
+                os.kill(os.getpid(), signal.SIGKILL)  # after step 4, before its checkpoint
 
-    start = 2 if mode == "resume" else 0
+    start = 3 if mode == "resume" else 0
     trajs = [dataclasses.replace(t, policy_version=start)
-             for t in random_trajectories(24, vocab=VOCAB, seed=7 + start)]
+             for t in random_trajectories(32, vocab=VOCAB, seed=7 + start)]
     queue = ListQueue(trajs) if rank0 else None
     learner = Learner(cfg, backend, max_staleness=4, queue=queue, replay=FifoReplay(4) if rank0 else None,
                       publisher=Publisher() if rank0 else None, ckpt_dir=spec.get("ckpt"))
@@ -141,7 +143,7 @@ def _worker(spec: dict) -> None:
             keep = ("loss", "loss_policy", "entropy", "grad_norm", "bw_mean", "tokens")
             (out / "metrics.json").write_text(json.dumps([{k: m[k] for k in keep} for m in history]))
     elif mode == "crash":
-        learner.train(steps=2)
+        learner.train(steps=3)
         (out / "crash.json").write_text(json.dumps({"version": learner.version,
                                                     "counters": dict(learner.counters)}))
         learner.train(steps=1)
@@ -149,7 +151,7 @@ def _worker(spec: dict) -> None:
         assert learner.resume()
         report = {"resumed_version": learner.version, "resumed_counters": dict(learner.counters)}
         before = backend.full_state_dict()
-        saved = torch.load(out / "weights_v2.pt")
+        saved = torch.load(out / "weights_v3.pt")
         report["weights_equal_checkpoint"] = all(torch.equal(before[k], saved[k]) for k in saved)
         learner.train(steps=1)
         report.update(version=learner.version, counters=dict(learner.counters))
