@@ -6,6 +6,9 @@ and the only owner of the replay buffer and the weight publisher. Each step it d
 ranks see the same global batch: group advantages (GRPO, RLOO) are computed on the whole batch,
 so a group never straddles ranks for its statistics, and loss normalisers are global counts.
 Rank r then trains rows [r*n, (r+1)*n) of each minibatch (n = batch / (minibatches * ranks)).
+A group's statistics use the members the replay put in this batch; the replay should hand out
+whole groups (a group split over two steps shows as smaller groups; `groups_singleton` counts
+the ones left with one member, whose GRPO/RLOO advantage is 0).
 Only rank 0 acks. The launcher starts one Learner per rank; ranks other than 0 get queue=None,
 replay=None, publisher=None.
 
@@ -171,6 +174,7 @@ class Learner:
         stats = self._train_batch(batch, timing)
 
         staleness = (self.version - batch.versions).tolist()
+        group_sizes = torch.bincount(batch.groups.cpu())
         self.version += 1
         tokens = int(batch.mask.sum())
         self.counters.update(samples=len(staleness), tokens=tokens, steps=1)
@@ -191,6 +195,8 @@ class Learner:
             "samples": len(staleness),
             "tokens": tokens,
             "reward_mean": float(batch.rewards.mean()),
+            "groups": len(group_sizes),
+            "groups_singleton": int((group_sizes == 1).sum()),  # zero advantage under grpo/rloo
             "staleness_max": max(staleness),
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_hist": dict(sorted(collections.Counter(staleness).items())),

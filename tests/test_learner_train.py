@@ -81,6 +81,7 @@ def test_fixed_batch_objective_decreases_and_metrics_are_complete(tiny_model_dir
                 "time_publish"):
         assert key in metrics, key
     assert metrics["samples"] == 8 and metrics["tokens"] == 64 and math.isfinite(metrics["grad_norm"])
+    assert metrics["groups"] == 2 and metrics["groups_singleton"] == 0
 
 
 def test_stale_and_malformed_trajectories_are_acked_with_a_reason_not_trained(tiny_model_dir):
