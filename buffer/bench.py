@@ -67,9 +67,8 @@ def _raw_round(client, trajs: list, payloads: list[bytes], batch: int, codec: bo
     while consumed < len(payloads):
         reply = client.xreadgroup(group, "c", {stream: ">"}, count=batch)
         entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
-        if codec:
-            for _, fields in entries:
-                decode(fields[b"t"])
+        if codec:  # kept until the next read, as a consumer keeps the batch it trains on
+            batch_trajs = [decode(fields[b"t"]) for _, fields in entries]  # noqa: F841
         client.xack(stream, group, *[entry_id for entry_id, _ in entries])
         consumed += len(entries)
     t2 = time.perf_counter()

@@ -10,7 +10,7 @@ Wire format (schema v1), one msgpack map:
      "generated_at": float, "generation_s": float}
 
 Nothing is pickled: a decoder only ever builds numbers, strings and numpy arrays of the
-dtypes listed in `_DTYPES`. `decode` raises TrajectoryError with a short reason tag
+dtypes listed in `_DTYPES`; decoded arrays are read-only. `decode` raises TrajectoryError with a short reason tag
 ("garbage", "missing_field", "field_type", "schema", "array", then whatever
 `Trajectory.validate` finds) so the queue can dead-letter the entry under that reason.
 """
@@ -102,8 +102,10 @@ def _unpack_array(field: str, obj: object) -> np.ndarray:
             "array", f"{field} holds {len(data)} bytes but dtype {dtype_name} x shape {shape} "
             f"needs {size * dtype.itemsize}"
         )
-    # A writable array (bytearray copies): callers may hand it to torch.from_numpy.
-    arr = np.frombuffer(bytearray(data), dtype=dtype)
+    # A read-only view of the bytes msgpack just allocated: no second copy (~5 us per trajectory
+    # at the learner), and the frozen trajectory's arrays cannot be changed by accident. Copy
+    # (`.astype(...)`, `torch.tensor`) before writing; torch.from_numpy warns on it as is.
+    arr = np.frombuffer(data, dtype=dtype)
     return arr if len(shape) == 1 else arr.reshape(shape)
 
 

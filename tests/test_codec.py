@@ -53,7 +53,7 @@ def test_round_trip_keeps_every_field_exactly():
     back = decode(encode(traj))
     assert_same(traj, back)
     assert back.schema_version == SCHEMA_VERSION
-    assert back.response_ids.flags.writeable  # usable with torch.from_numpy without a warning
+    assert not back.response_ids.flags.writeable  # a frozen trajectory's arrays stay as produced
 
 
 def test_round_trip_other_dtypes_and_byte_orders():
