@@ -1,0 +1,107 @@
+"""GenerationEngine on plain transformers `generate`, for machines without vLLM (and as the
+benchmark's baseline).
+
+Log-probs come from `generate`'s processed scores: log_softmax of the logits after temperature
+and, when top_p < 1, the top-p mask, i.e. the distribution each token was sampled from, the same
+convention as the vLLM engine (see vllm_engine.py for what top_p < 1 means to the learner).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from async_rlhf.types import Prompt, Sample
+
+
+class HFEngine:
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        threads: int = 1,
+        seed: int = 0,
+        device: str | None = None,
+    ):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model.to(self.device).eval()
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.threads = threads
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.pad_token_id = self.tokenizer.pad_token_id
+        self._version = 0
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Prompt], n: int, *, greedy: bool = False) -> list[list[Sample]]:
+        """n samples per prompt; `greedy` (tests, evaluation) takes the argmax token instead."""
+        width = max(len(p.token_ids) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+            ids[i, width - len(p.token_ids):] = torch.tensor(p.token_ids)
+            mask[i, width - len(p.token_ids):] = 1
+        sampling = {} if greedy else {"temperature": self.temperature, "top_p": self.top_p}
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            max_new_tokens=self.max_new_tokens,
+            do_sample=not greedy,
+            top_k=0,  # no top-k: the only truncation is top_p, as in the vLLM engine
+            num_return_sequences=n,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            **sampling,
+        )
+        tokens = out.sequences[:, width:].cpu()
+        logprobs = torch.stack(
+            [torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1
+        ).cpu()  # [B*n, T, V]
+        picked = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        samples = [self._sample(tokens[j], picked[j]) for j in range(len(tokens))]
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _sample(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> Sample:
+        eos = (tokens == self.eos_token_id).nonzero()
+        length = int(eos[0]) + 1 if len(eos) else len(tokens)  # keep the EOS: it was sampled
+        ids = tokens[:length].numpy().astype(np.int32)
+        return Sample(
+            response_ids=ids,
+            behavior_logprobs=logprobs[:length].numpy().astype(np.float32),
+            finished=bool(len(eos)),
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+        )
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy full HF-named weights into the model in place, then generate as `version`."""
+        params = dict(self.model.named_parameters())
+        seen = set()
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"weight {name!r} is not a parameter of this model ({len(params)} are)")
+            params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+            seen.add(name)
+        missing = sorted(set(params) - seen)
+        if missing:
+            raise ValueError(f"update_weights got no tensor for {len(missing)} parameters, e.g. {missing[0]!r}")
+        self._version = version

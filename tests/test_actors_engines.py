@@ -1,0 +1,123 @@
+"""The real vLLM CPU engine (one per module) and the transformers engine on the tiny preset:
+log-probs of sampled tokens under the sampling distribution, n samples per prompt, EOS handling,
+and in-place weight updates."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from actors.engines import make_engine
+from actors.engines.hf_engine import HFEngine
+from actors.tasks import examples
+from async_rlhf.config import GeneratorConfig
+from async_rlhf.types import Prompt
+
+TEMPERATURE = 0.7
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_actor_model):
+    tok = AutoTokenizer.from_pretrained(tiny_actor_model)
+    pairs = examples("copy", 0, 2) + examples("count", 0, 2)
+    return [Prompt(f"p{i}", tuple(tok(t)["input_ids"]), t, a) for i, (t, a) in enumerate(pairs)]
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_actor_model):
+    from actors.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(tiny_actor_model, max_new_tokens=MAX_NEW, temperature=TEMPERATURE, seed=0)
+    yield engine
+    engine.close()
+
+
+def _hf_model(path, state=None):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+@torch.no_grad()
+def _recompute(model, prompt, sample, temperature):
+    """What the learner computes: log_softmax(logits / T) at each sampled token."""
+    ids = torch.tensor([list(prompt.token_ids) + sample.response_ids.tolist()])
+    logits = model(ids).logits[0, len(prompt.token_ids) - 1:-1].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, ids[0, len(prompt.token_ids):, None]).squeeze(-1).numpy()
+
+
+def _check_samples(groups, prompts, n, eos_id):
+    assert len(groups) == len(prompts) and all(len(g) == n for g in groups)
+    for sample in (s for g in groups for s in g):
+        assert sample.response_ids.dtype == np.int32 and sample.behavior_logprobs.dtype == np.float32
+        assert sample.behavior_logprobs.shape == sample.response_ids.shape
+        assert 1 <= len(sample.response_ids) <= MAX_NEW
+        assert sample.finished == (sample.response_ids[-1] == eos_id)  # EOS kept when sampled
+        assert eos_id not in sample.response_ids[:-1]
+
+
+@pytest.mark.slow
+def test_vllm_logprobs_match_transformers(vllm_engine, prompts, tiny_actor_model):
+    groups = vllm_engine.generate(prompts, n=3)
+    _check_samples(groups, prompts, 3, vllm_engine.eos_token_id)
+    model = _hf_model(tiny_actor_model)
+    diffs = [
+        np.abs(_recompute(model, p, s, TEMPERATURE) - s.behavior_logprobs).max()
+        for p, g in zip(prompts, groups) for s in g
+    ]
+    assert max(diffs) <= 1e-3, f"max |vLLM - transformers| log-prob = {max(diffs):.2e}"
+    # The raw (temperature 1) log-probs would differ a lot: the test can tell them apart.
+    raw = np.abs(_recompute(model, prompts[0], groups[0][0], 1.0) - groups[0][0].behavior_logprobs).max()
+    assert raw > 1e-2
+
+
+@pytest.mark.slow
+def test_vllm_update_weights_matches_transformers(vllm_engine, prompts, tiny_actor_model):
+    original = _hf_model(tiny_actor_model).state_dict()
+    gen = torch.Generator().manual_seed(1)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in original.items()}
+    before = [g[0].response_ids.tolist() for g in vllm_engine.generate(prompts, 1, greedy=True)]
+    vllm_engine.update_weights(new.items(), version=7)
+    assert vllm_engine.policy_version == 7
+    after = [g[0].response_ids.tolist() for g in vllm_engine.generate(prompts, 1, greedy=True)]
+    model = _hf_model(tiny_actor_model, new)
+    eos = vllm_engine.eos_token_id
+    for p, got in zip(prompts, after):
+        out = model.generate(torch.tensor([p.token_ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                             eos_token_id=eos, pad_token_id=0)[0, len(p.token_ids):].tolist()
+        assert got == (out[: out.index(eos) + 1] if eos in out else out)
+    assert after != before  # the update did change what the engine generates
+    # Sampled log-probs follow the new weights too.
+    (group,) = vllm_engine.generate(prompts[:1], 2)
+    assert max(np.abs(_recompute(model, prompts[0], s, TEMPERATURE) - s.behavior_logprobs).max() for s in group) <= 1e-3
+    vllm_engine.update_weights(original.items(), version=8)
+    assert [g[0].response_ids.tolist() for g in vllm_engine.generate(prompts, 1, greedy=True)] == before
+
+
+def test_hf_engine_logprobs_and_update(tiny_actor_model, prompts):
+    engine = make_engine(GeneratorConfig(engine="hf", max_new_tokens=MAX_NEW, temperature=TEMPERATURE), tiny_actor_model)
+    assert isinstance(engine, HFEngine) and engine.policy_version == 0
+    groups = engine.generate(prompts, n=2)
+    _check_samples(groups, prompts, 2, engine.eos_token_id)
+    model = _hf_model(tiny_actor_model)
+    for p, g in zip(prompts, groups):
+        for s in g:
+            assert np.abs(_recompute(model, p, s, TEMPERATURE) - s.behavior_logprobs).max() <= 1e-4
+    new = {k: v * 1.5 for k, v in model.state_dict().items()}
+    engine.update_weights(new.items(), version=3)
+    assert engine.policy_version == 3
+    assert engine.model.model.embed_tokens.weight.equal(new["model.embed_tokens.weight"])
+    with pytest.raises(ValueError, match="got no tensor for"):
+        engine.update_weights(list(new.items())[:2], version=4)
+
+
+def test_hf_engine_top_p_logprobs_are_of_the_nucleus(tiny_actor_model, prompts):
+    engine = HFEngine(tiny_actor_model, max_new_tokens=4, temperature=1.0, top_p=0.5)
+    (group,) = engine.generate(prompts[:1], n=4)
+    model = _hf_model(tiny_actor_model)
+    full = _recompute(model, prompts[0], group[0], 1.0)
+    # Renormalised over the nucleus: at least as likely as under the full distribution.
+    assert np.all(group[0].behavior_logprobs >= full - 1e-5)

@@ -1,0 +1,138 @@
+"""The generator loop with the real vLLM CPU engine: staleness admission, version stamps, weight
+updates at the safe point, and rewards that raise or return NaN set aside while the loop goes on."""
+
+import json
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from actors.generator import Generator, make_generator
+from actors.prompts import PromptStream
+from actors.rewards import FunctionReward, Scorer
+from async_rlhf.config import Config, DataConfig, GeneratorConfig, ModelConfig, RewardSpec
+from async_rlhf.protocols import QueueStats
+from async_rlhf.staleness import StalenessGate
+
+
+class ListQueue:
+    """An in-memory ExperienceQueue: enough for the loop's logic (the Redis one is tested in buffer/)."""
+
+    def __init__(self):
+        self.items, self.dead = [], []
+
+    def put(self, trajectories, timeout_s=None):
+        self.items.extend(trajectories)
+
+    def dead_letter(self, reason, detail, payload=b""):
+        self.dead.append((reason, detail, json.loads(payload)))
+
+    def get(self, count, block_ms=1000):
+        return []
+
+    def ack(self, entry_ids, reason="trained"):
+        pass
+
+    def stats(self):
+        return QueueStats(len(self.items), 0, len(self.dead), {})
+
+
+def picky_reward(prompts, responses):
+    """The batch raises if any answer is 'boom'; NaN for answer 'nan'; 0.5 otherwise."""
+    if any(p.answer == "boom" for p in prompts):
+        raise RuntimeError("reward crashed on boom")
+    return [math.nan if p.answer == "nan" else 0.5 for p in prompts]
+
+
+RECORDS = [("copy 1=", "boom"), ("copy 2=", "nan"), ("copy 3=", "3"), ("copy 4=", "4")]
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_actor_model):
+    from actors.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(tiny_actor_model, max_new_tokens=8, temperature=1.0, seed=0)
+    yield engine
+    engine.close()
+
+
+def _generator(engine, path, queue, gate, records=RECORDS):
+    tok = AutoTokenizer.from_pretrained(path)
+    scorer = Scorer([(FunctionReward(f"{__name__}:picky_reward", name="picky"), 1.0, 5.0)])
+    return Generator(engine, PromptStream(records, tok, seed=0), scorer, queue, gate,
+                     generator_id="gen-t", prompts_per_batch=4, group_size=2, poll_s=0.01)
+
+
+@pytest.mark.slow
+def test_failed_rewards_are_set_aside_and_loop_goes_on(vllm_engine, tiny_actor_model):
+    queue, gate = ListQueue(), StalenessGate(max_staleness=1, batch_size=8)
+    gen = _generator(vllm_engine, tiny_actor_model, queue, gate)
+    stats = gen.run(threading.Event(), max_batches=2)  # capacity (1 + 0 + 1) x 8 = 2 batches
+    assert stats["batches"] == 2 and stats["produced"] == 8 == len(queue.items)
+    assert stats["set_aside"] == {"reward_raised": 4, "reward_nan": 4}
+    assert sorted(r for r, _, _ in queue.dead) == ["reward_nan"] * 4 + ["reward_raised"] * 4
+    reason, detail, payload = next(d for d in queue.dead if d[0] == "reward_raised")
+    assert "reward crashed on boom" in detail and payload["prompt"] == "copy 1=" and payload["policy_version"] == 0
+    assert gate.accepted == 8 and gate.running == 0  # set-aside samples freed their slots
+    for t in queue.items:
+        t.validate()
+        assert t.reward == 0.5 and t.reward_parts == {"picky": 0.5} and t.generator_id == "gen-t"
+        assert t.policy_version == 0 and t.generation_s > 0
+    groups = {t.group_id for t in queue.items}
+    assert len(groups) == 4 and all(sum(t.group_id == g for t in queue.items) == 2 for g in groups)
+    assert stats["tokens"] == sum(len(t.response_ids) for t in queue.items) and stats["tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_gate_wait_and_weights_at_the_safe_point(vllm_engine, tiny_actor_model):
+    queue = ListQueue()
+    gate = StalenessGate(max_staleness=0, batch_size=8)  # synchronous: one batch per weights version
+    gen = _generator(vllm_engine, tiny_actor_model, queue, gate, records=[("copy 3=", "3")])
+    stop = threading.Event()
+    runner = threading.Thread(target=gen.run, args=(stop, 3))
+    runner.start()
+    deadline = time.time() + 60
+    while gen.stats()["batches"] < 1 and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert gen.stats()["batches"] == 1 and gen.stats()["idle_s"] > 0.1  # refused: waits for the learner
+    from transformers import AutoModelForCausalLM
+
+    weights = AutoModelForCausalLM.from_pretrained(tiny_actor_model).state_dict()
+    gen.apply_weights(weights.items(), version=1)  # the gate admits version 1 weights again
+    while gen.stats()["batches"] < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    gen.apply_weights(weights.items(), version=2)
+    runner.join(60)
+    assert not runner.is_alive()
+    assert [t.policy_version for t in queue.items] == [0] * 8 + [1] * 8 + [2] * 8
+    s = gen.stats()
+    assert s["weight_updates"] == 2 and s["policy_version"] == 2
+
+
+@pytest.mark.slow
+def test_stop_while_waiting_for_admission(vllm_engine, tiny_actor_model):
+    gate = StalenessGate(max_staleness=0, batch_size=8, accepted=10**6)  # no slot for any version
+    gen = _generator(vllm_engine, tiny_actor_model, ListQueue(), gate)
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    assert gen.run(stop)["batches"] == 0 and gate.running == 0
+
+
+def test_make_generator_from_config(tiny_actor_model):
+    cfg = Config(
+        model=ModelConfig(path=str(tiny_actor_model)),
+        data=DataConfig(task="count"),
+        generator=GeneratorConfig(engine="hf", prompts_per_batch=2, group_size=2, max_new_tokens=4),
+        rewards=(RewardSpec(target="actors.tasks:score"),),
+    )
+    queue, gate = ListQueue(), StalenessGate(max_staleness=2, batch_size=4)
+    gen = make_generator(cfg, queue, gate, index=1)
+    assert gen.generator_id == "gen-1" and gen.step() == 4
+    assert all(t.reward_parts.keys() == {"actors.tasks:score"} for t in queue.items)
+    assert all(np.isfinite(t.behavior_logprobs).all() for t in queue.items)
+    assert torch.get_num_threads() >= 1
