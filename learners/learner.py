@@ -116,10 +116,12 @@ class Batch:
 class Learner:
     """One data-parallel rank of the learner (see module docstring for the split).
 
-    queue, replay, publisher: rank 0 only (None elsewhere). temperature: the generators' sampling
-    temperature (log-probs are recomputed under the same distribution). ckpt_dir: where
-    checkpoints go and where `resume()` looks. on_metrics: called with each step's metrics on
-    rank 0.
+    backend: this rank's DeepSpeedBackend (built with the generators' sampling temperature).
+    max_staleness: k; trajectories with version - policy_version > k are acked "dropped_stale".
+    queue, replay, publisher: rank 0 only (None elsewhere); without a publisher no weights are
+    gathered. ckpt_dir: where checkpoints go and where `resume()` looks. on_metrics: called with
+    each step's metrics on rank 0. Every rank calls step()/train(), resume(), save_checkpoint()
+    and publish_weights() together (they are collective).
     """
 
     def __init__(
