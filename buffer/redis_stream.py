@@ -10,7 +10,10 @@ Lifecycle of an entry: `put` XADDs it; `get` delivers it to one consumer (XREADG
 XAUTOCLAIM once it has been idle for claim_idle_ms in the hands of another consumer, presumed
 dead); `ack(ids, reason)` removes it (XACK + XDEL, so memory stays bounded) and counts the
 reason. Entries that do not decode or validate go to S:dead, acked and counted in one atomic
-step. Nothing is ever trimmed from S: producers wait instead (backpressure).
+step (a Lua script, which also checks ownership as below). Nothing is ever trimmed from S:
+producers wait instead (backpressure). Because every ack also deletes, XLEN(S) = undelivered +
+pending, so backlog = XLEN - pending works on Redis 6.2 and 7 alike; consumers of S must all
+use this class (a bare XACK without XDEL would count as backlog forever).
 
 Delivery guarantee. Delivery is at-least-once: an entry whose consumer dies (or stalls past
 claim_idle_ms) is delivered again to another. Acknowledgement is exactly-once: `ack`,

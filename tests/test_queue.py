@@ -274,3 +274,18 @@ def test_durable_redis_sigkilled_and_restarted_keeps_stream_and_pending(tmp_path
         client.close()
     finally:
         server.close()
+
+
+def test_renew_resets_idle_time_so_nobody_reclaims(redis_client, make_queue, stream_name):
+    make_queue("generator-0").put([traj(0)])
+    queue = make_queue()
+    (entry,) = queue.get(1, block_ms=0)
+
+    def idle_ms() -> int:
+        (pending,) = redis_client.xpending_range(stream_name, "learners", "-", "+", 1)
+        return pending["time_since_delivered"]
+
+    time.sleep(0.3)
+    before = idle_ms()
+    assert queue.renew([entry.entry_id]) == [entry.entry_id]
+    assert idle_ms() < before

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from buffer.redis_server import EmbeddedRedis, RedisServerNotFound, find_redis_server
 
@@ -20,7 +22,7 @@ def test_url_password_and_stop(tmp_path):
         client = redis.Redis.from_url(server.url)
         assert client.ping()
         client.close()
-        anonymous = redis.Redis(host="127.0.0.1", port=server.port)
+        anonymous = redis.Redis(host="127.0.0.1", port=server.port, retry=Retry(NoBackoff(), 0))
         with pytest.raises(redis.AuthenticationError):
             anonymous.ping()
         anonymous.close()
@@ -67,3 +69,28 @@ def test_missing_binary_in_a_bare_interpreter():
     )
     assert done.returncode != 0
     assert "RedisServerNotFound" in done.stderr and "apt-get install redis-server" in done.stderr
+
+
+def test_port_taken_before_start_picks_another():
+    import socket
+
+    server = EmbeddedRedis()
+    taken = server.port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with server:
+            assert server.port != taken
+            assert redis.Redis.from_url(server.url).ping()
+
+
+def test_explicit_port_taken_is_an_error_naming_the_log(tmp_path):
+    import socket
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        server = EmbeddedRedis(tmp_path, port=squatter.getsockname()[1])
+        with pytest.raises(RuntimeError, match="redis.log"):
+            server.start()
+        server.close()
