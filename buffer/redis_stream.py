@@ -4,7 +4,9 @@ Keys, for stream name S:
     S             the stream; one field b"t" per entry holding `codec.encode(trajectory)`
     S:dead        the dead-letter stream: raw bytes, reason, detail, original id, consumer
     S:counters    a hash of counts shared by every process: produced, trained, dropped_stale,
-                  dead_lettered, reclaimed, ack_lost, ... (any `ack` reason is counted)
+                  dead_lettered, ... (every `ack` reason), which always satisfy
+                  produced = sum of ack reasons + dead_lettered + backlog + pending;
+                  plus events that are not fates: reclaimed, ack_lost, set_aside[:reason]
 
 Lifecycle of an entry: `put` XADDs it; `get` delivers it to one consumer (XREADGROUP, or
 XAUTOCLAIM once it has been idle for claim_idle_ms in the hands of another consumer, presumed
@@ -319,12 +321,15 @@ class RedisExperienceQueue:
 
     def dead_letter(self, reason: str, detail: str, payload: bytes = b"") -> None:
         """Record something that never entered the stream and will never be trained on (e.g. a
-        sample whose reward failed), counted as dead_lettered; original_id is empty."""
+        sample whose reward failed) in S:dead, with an empty original_id. Counted as `set_aside`
+        and `set_aside:<reason>`, not `dead_lettered`: it was never `produced`, and
+        produced = trained + dropped_* + dead_lettered + backlog + pending must keep holding."""
         pipe = self._r.pipeline(transaction=True)
         pipe.xadd(self.dead_stream, {"id": "", "reason": reason, "detail": detail,
                                      "consumer": self.consumer, "raw": payload},
                   maxlen=self.dead_letter_maxlen, approximate=True)
-        pipe.hincrby(self.counters_key, "dead_lettered", 1)
+        pipe.hincrby(self.counters_key, "set_aside", 1)
+        pipe.hincrby(self.counters_key, f"set_aside:{reason}", 1)
         pipe.execute()
         log.warning("dead letter from %s: %s: %s", self.consumer, reason, detail)
 

@@ -244,7 +244,7 @@ def test_producer_side_dead_letter(make_queue):
     queue.dead_letter("reward_failed", "reward model timed out after 3 tries", b'{"prompt": 1}')
     (letter,) = queue.dead_letters()
     assert (letter.reason, letter.original_id, letter.raw) == ("reward_failed", "", b'{"prompt": 1}')
-    assert queue.stats().counters == {"dead_lettered": 1}
+    assert queue.stats().counters == {"set_aside": 1, "set_aside:reward_failed": 1}
 
 
 def test_durable_redis_sigkilled_and_restarted_keeps_stream_and_pending(tmp_path):
