@@ -252,6 +252,23 @@ class Learner:
                     f"({len(items)}/{need} collected): are the generators running and admitted? "
                     "(raise learner.wait_s for slow generation)"
                 )
+            if len(items) == need:
+                items, first_use = self._renew(items, first_use)
+        return items, first_use
+
+    def _renew(self, items: list[Received], first_use: list[str]) -> tuple[list[Received], list[str]]:
+        """Keep the first-use items this consumer still owns, their reclaim timers reset, so
+        nobody else trains them before our ack (RedisExperienceQueue.renew: exactly-once
+        training). A queue without `renew` (it is not in the ExperienceQueue protocol) owns all."""
+        renew = getattr(self.queue, "renew", None)
+        if renew is None or not first_use:
+            return items, first_use
+        owned = set(renew(first_use))
+        lost = set(first_use) - owned
+        if lost:  # reclaimed by another consumer while we waited: theirs now
+            self.counters["lost_to_reclaim"] += len(lost)
+            items = [r for r in items if r.entry_id not in lost]
+            first_use = [e for e in first_use if e in owned]
         return items, first_use
 
     def _admit(self, received: Sequence[Received]) -> list[Received]:

@@ -92,6 +92,10 @@ class ListQueue:
                 self.acked[e] = reason
                 self.counters[reason] += 1
 
+    def renew(self, entry_ids: Sequence[str]) -> list[str]:
+        """The ids still pending here (RedisExperienceQueue's ownership check)."""
+        return [e for e in entry_ids if e in self.pending]
+
     def dead_letter(self, reason: str, detail: str, payload: bytes = b"") -> None:
         self.counters["dead_lettered"] += 1
         self.counters[reason] += 1

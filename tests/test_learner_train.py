@@ -101,6 +101,22 @@ def test_stale_and_malformed_trajectories_are_acked_with_a_reason_not_trained(ti
     assert math.isfinite(metrics["loss"])
 
 
+def test_entries_reclaimed_by_another_consumer_are_not_trained(tiny_model_dir):
+    learner, queue, _ = make_learner(tiny_model_dir, random_trajectories(12, vocab=VOCAB))
+    stolen = []
+
+    def renew(ids):  # another consumer reclaims the first entry while we collect
+        if not stolen:
+            stolen.append(ids[0])
+            queue.pending.pop(ids[0])
+        return [e for e in ids if e in queue.pending]
+
+    queue.renew = renew
+    metrics = learner.step()
+    assert metrics["samples"] == 8 and metrics["count_lost_to_reclaim"] == 1
+    assert queue.counters["trained"] == 8 and stolen[0] not in queue.acked
+
+
 @pytest.mark.parametrize("overrides", [
     dict(advantage="gae", kl_coef=0.1, kl_mode="reward", critic_lr=1e-3),
     dict(advantage="reinforce_pp", kl_coef=0.1, kl_estimator="k2", gamma=0.9, entropy_coef=0.01),
