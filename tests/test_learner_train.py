@@ -141,6 +141,20 @@ def test_bf16_zero2_trains(tiny_model_dir):
     assert publisher.weights["lm_head.weight"].dtype == torch.bfloat16
 
 
+def test_critic_starts_from_the_reward_model(tiny_model_dir, tmp_path):
+    from transformers import AutoConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(5)
+    reward_model = LlamaForSequenceClassification(AutoConfig.from_pretrained(tiny_model_dir, num_labels=1))
+    reward_model.save_pretrained(tmp_path / "rm")
+    learner, _, _ = make_learner(tiny_model_dir, random_trajectories(8, vocab=VOCAB), advantage="gae",
+                                 critic_init=str(tmp_path / "rm"))
+    critic = learner.backend.critic.module
+    assert torch.equal(critic.head.weight, reward_model.score.weight)
+    assert torch.equal(critic.backbone.embed_tokens.weight, reward_model.model.embed_tokens.weight)
+    assert math.isfinite(learner.step()["value_loss"])
+
+
 def test_hf_export_round_trips(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
