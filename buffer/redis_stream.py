@@ -270,6 +270,8 @@ class RedisExperienceQueue:
                 self.group, self.consumer, {self.stream: ">"}, count=count,
                 block=block_ms if block_ms > 0 else None,
             )
+            if isinstance(reply, dict):  # RESP3 client: {stream: [entries]}
+                reply = [[k, v[0]] for k, v in reply.items()]
             entries = [(i, f.get(FIELD, b"")) for i, f in reply[0][1]] if reply else []
         out, bad = [], []
         for raw_id, data in entries:

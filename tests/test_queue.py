@@ -289,3 +289,18 @@ def test_renew_resets_idle_time_so_nobody_reclaims(redis_client, make_queue, str
     before = idle_ms()
     assert queue.renew([entry.entry_id]) == [entry.entry_id]
     assert idle_ms() < before
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_resp2_and_resp3_clients(redis_server, stream_name, protocol):
+    client = redis.Redis.from_url(redis_server.url, protocol=protocol)
+    queue = RedisExperienceQueue(client, "learner-0", stream=stream_name)
+    queue.put([traj(1), traj(2)])
+    client.xadd(stream_name, {FIELD: b"junk"})
+    got = queue.get(10, block_ms=1000)
+    assert [r.trajectory.reward for r in got] == [1.0, 2.0]
+    queue.ack([r.entry_id for r in got])
+    stats = queue.stats()
+    assert (stats.backlog, stats.pending, stats.dead_letters) == (0, 0, 1)
+    assert queue.dead_letters()[0].reason == "garbage"
+    client.close()
