@@ -320,7 +320,10 @@ class Learner:
         be.engine.eval()
         for _, mb in self._micro_batches(local):
             args = (mb.input_ids, mb.attention_mask, mb.positions)
-            out["prox_logp"].append(be.logprobs(*args)[0])
+            if self.cfg.ratio_to == "prox":  # plain PPO (ablation) anchors on behaviour instead
+                out["prox_logp"].append(be.logprobs(*args)[0])
+            else:
+                out["prox_logp"].append(mb.behavior_logp)
             if be.reference is not None:
                 out["ref_logp"].append(be.logprobs(*args, reference=True)[0])
             if be.critic is not None:
