@@ -104,6 +104,7 @@ class EmbeddedRedis:
         self.binary = binary or find_redis_server()
         self.start_timeout_s = start_timeout_s
         self.process: subprocess.Popen | None = None
+        self._owner_pid = os.getpid()
 
     @property
     def url(self) -> str:
@@ -142,7 +143,7 @@ class EmbeddedRedis:
                 [self.binary, str(conf)], cwd=self.data_dir, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, start_new_session=True,  # no ^C from the terminal
             )
-            atexit.register(self.close)
+            atexit.register(self._close_at_exit)
             try:
                 self._wait_ready()
                 break
@@ -208,9 +209,13 @@ class EmbeddedRedis:
     def close(self) -> None:
         """Stop, and remove the data directory if this object created it."""
         self.stop()
-        atexit.unregister(self.close)
+        atexit.unregister(self._close_at_exit)
         if self._owns_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def _close_at_exit(self) -> None:
+        if os.getpid() == self._owner_pid:  # not in a forked child that inherited the hook
+            self.close()
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()

@@ -94,3 +94,18 @@ def test_explicit_port_taken_is_an_error_naming_the_log(tmp_path):
         with pytest.raises(RuntimeError, match="redis.log"):
             server.start()
         server.close()
+
+
+def test_stopped_at_interpreter_exit(tmp_path):
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from buffer.redis_server import EmbeddedRedis\n"
+        "server = EmbeddedRedis(sys.argv[2]).start()\n"
+        "print(server.process.pid, flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(REPO), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout)
+    with pytest.raises(ProcessLookupError):  # atexit stopped (and reaped) it
+        os.kill(pid, 0)
