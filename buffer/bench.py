@@ -6,6 +6,12 @@ ack (XAUTOCLAIM check, XREADGROUP, decode + validate, owner-checked XACK + XDEL 
 XREADGROUP + XACK. A third row, raw + codec, adds encode/decode to the raw loop: the difference
 between it and the queue is the queue's own bookkeeping, the rest is the codec. Rounds run
 interleaved on fresh streams after a warm-up; the median is reported.
+
+Where the time goes (2 busy cores, 4.7 KB entries, per trajectory): raw XREADGROUP + XACK
+~13-20 us, decode + validate ~12-18 us, the queue's owner-checked XACK + XDEL ~5 us (vs ~1.5
+for a bare XACK) and its XAUTOCLAIM check ~0.5 us; encode ~4 us next to ~17-20 us of raw
+pipelined XADD. Decoding alone costs about as much as the raw read, so get+ack cannot reach 80%
+of a raw loop that never decodes; compare it with the raw + codec row instead.
 """
 
 from __future__ import annotations
