@@ -87,7 +87,7 @@ def _plot(results: list[dict], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(6, 3))
+    fig, ax = plt.subplots(figsize=(6, 1.2 + 0.5 * len(results)))
     labels = [f"ZeRO-{r['zero_stage']}" for r in results]
     left = [0.0] * len(results)
     for p in PHASES:
@@ -95,7 +95,7 @@ def _plot(results: list[dict], path: Path) -> None:
         ax.barh(labels, widths, left=left, label=p)
         left = [a + b for a, b in zip(left, widths)]
     ax.set_xlabel("share of step time")
-    ax.legend(fontsize=7, ncol=3, loc="lower right")
+    ax.legend(fontsize=7, ncol=len(PHASES), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     fig.tight_layout()
     fig.savefig(path)
 
