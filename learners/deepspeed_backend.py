@@ -178,8 +178,9 @@ class DeepSpeedBackend:
             return torch.optim.AdamW(params, lr=lr, weight_decay=self.cfg.weight_decay)
         from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam  # C++ build on first use
 
-        cls = FusedAdam if self.device != "cpu" else DeepSpeedCPUAdam
-        return cls(params, lr=lr, weight_decay=self.cfg.weight_decay, adamw_mode=True)
+        if self.device != "cpu":
+            return FusedAdam(params, lr=lr, weight_decay=self.cfg.weight_decay, adam_w_mode=True)
+        return DeepSpeedCPUAdam(params, lr=lr, weight_decay=self.cfg.weight_decay, adamw_mode=True)
 
     def _ds_config(self) -> dict[str, Any]:
         cfg = self.cfg
