@@ -2,9 +2,9 @@
 
 A plain class (the launcher makes it a Ray actor). One batch, `step()`:
 
-  1. ask the staleness gate to admit prompts_per_batch x group_size samples with the engine's
-     current policy version; while it refuses, poll (new weights have to arrive first) and count
-     the wait as idle time;
+  1. ask the admission gate (AdmissionGate: the staleness bound, keyed by the launcher on this
+     engine's policy_version) for prompts_per_batch x group_size samples; while it refuses, poll
+     (new weights have to arrive first) and count the wait as idle time;
   2. take the next prompts and generate group_size samples each, recording the policy version the
      engine generates with;
   3. score every response; a sample whose reward failed (raised, timed out, NaN, bad output) or
@@ -118,8 +118,7 @@ class Generator:
 
     def _admit(self, stop: threading.Event | None) -> bool:
         """Wait until the gate admits a batch (counted as idle time as it passes); False: stopped."""
-        # Admission is keyed on the version of the weights that will generate this batch.
-        while not self.gate.try_admit(self.batch_samples, self.engine.policy_version):
+        while not self.gate.try_admit(self.batch_samples):
             start = time.perf_counter()
             stopped = stop.wait(self.poll_s) if stop is not None else time.sleep(self.poll_s)
             self._seconds["idle"] += time.perf_counter() - start

@@ -3,10 +3,13 @@
 Each prompt's text starts with its task's name and `Prompt.answer` holds the reference, so the
 default reward `actors.tasks:score` needs nothing but the prompt and the response text.
 
-  count    easy. "count a: 482=" -> reward = min(number of 'a' in the response, 8) / 8. Not
+  count    easy. "count a: 482=" -> reward = min(number of 'a' in the response, 8) / 8 (the
+           answer is "aaaaaaaa", so exact-match evaluation also works). Not
            prompt-conditioned: it only asks the policy to favour one token, so it rises within a
            few dozen learner steps (a random-init tiny model starts near 0.05 with 16 new tokens).
-  copy     prompt-conditioned. "copy 3142=" -> "3142": 0.8 x the fraction of the answer's digits
+  echo     prompt-conditioned, medium. "echo 7=" -> reward = min(number of 7s in the response,
+           8) / 8: the count task with the digit named in the prompt (ten classes to learn).
+  copy     prompt-conditioned, hard. "copy 3142=" -> "3142": 0.8 x the fraction of the answer's digits
            found at their position + 0.2 if the response has the answer's length (1.0 iff equal);
            partial credit guides learning, which needs a few hundred steps.
   reverse  as copy, with the digits reversed ("reverse 3142=" -> "2413"); harder.
@@ -39,8 +42,11 @@ def _digits(rng: random.Random) -> str:
 
 
 def _count_reward(response: str, answer: str) -> float:
-    target = int(answer)
-    return min(response.count("a"), target) / target
+    return min(response.count("a"), COUNT_TARGET) / COUNT_TARGET
+
+
+def _echo_reward(response: str, answer: str) -> float:
+    return min(response.count(answer), COUNT_TARGET) / COUNT_TARGET
 
 
 def positional_match(response: str, answer: str) -> float:
@@ -54,7 +60,12 @@ def positional_match(response: str, answer: str) -> float:
 
 
 def _make_count(rng: random.Random) -> tuple[str, str]:
-    return f"count a: {_digits(rng)}=", str(COUNT_TARGET)
+    return f"count a: {_digits(rng)}=", "a" * COUNT_TARGET
+
+
+def _make_echo(rng: random.Random) -> tuple[str, str]:
+    digit = rng.choice("0123456789")
+    return f"echo {digit}=", digit
 
 
 def _make_copy(rng: random.Random) -> tuple[str, str]:
@@ -69,6 +80,7 @@ def _make_reverse(rng: random.Random) -> tuple[str, str]:
 
 TASKS: dict[str, Task] = {
     "count": Task("count", _make_count, _count_reward),
+    "echo": Task("echo", _make_echo, _echo_reward),
     "copy": Task("copy", _make_copy, positional_match),
     "reverse": Task("reverse", _make_reverse, positional_match),
 }

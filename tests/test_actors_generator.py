@@ -41,6 +41,20 @@ class ListQueue:
         return QueueStats(len(self.items), 0, len(self.dead), {})
 
 
+class EngineGate:
+    """The AdmissionGate protocol over StalenessGate, keyed on the engine's weights version (what
+    the launcher's gate does through its coordinator)."""
+
+    def __init__(self, gate, version_fn):
+        self.gate, self.version_fn = gate, version_fn
+
+    def try_admit(self, n):
+        return self.gate.try_admit(n, self.version_fn())
+
+    def finish(self, n_admitted, n_accepted):
+        self.gate.finish(n_admitted, n_accepted)
+
+
 def picky_reward(prompts, responses):
     """The batch raises if any answer is 'boom'; NaN for answer 'nan'; 0.5 otherwise."""
     if any(p.answer == "boom" for p in prompts):
@@ -63,7 +77,7 @@ def vllm_engine(tiny_actor_model):
 def _generator(engine, path, queue, gate, records=RECORDS):
     tok = AutoTokenizer.from_pretrained(path)
     scorer = Scorer([(FunctionReward(f"{__name__}:picky_reward", name="picky"), 1.0, 5.0)])
-    return Generator(engine, PromptStream(records, tok, seed=0), scorer, queue, gate,
+    return Generator(engine, PromptStream(records, tok, seed=0), scorer, queue, EngineGate(gate, lambda: engine.policy_version),
                      generator_id="gen-t", prompts_per_batch=4, group_size=2, poll_s=0.01)
 
 
@@ -131,7 +145,7 @@ def test_make_generator_from_config(tiny_actor_model):
         rewards=(RewardSpec(target="actors.tasks:score"),),
     )
     queue, gate = ListQueue(), StalenessGate(max_staleness=2, batch_size=4)
-    gen = make_generator(cfg, queue, gate, index=1)
+    gen = make_generator(cfg, queue, EngineGate(gate, lambda: 0), index=1)
     assert gen.generator_id == "gen-1" and gen.step() == 4
     assert all(t.reward_parts.keys() == {"actors.tasks:score"} for t in queue.items)
     assert all(np.isfinite(t.behavior_logprobs).all() for t in queue.items)

@@ -49,3 +49,17 @@ def test_cli(tmp_path, capsys):
     assert main(["init-model", "--preset", "tiny", "--out", str(tmp_path / "cli"), "--seed", "2"]) == 0
     assert "tiny model: 0.87M parameters" in capsys.readouterr().out
     assert init_model  # the function the CLI wraps is importable for the launcher
+
+
+def test_bench_gen_smoke(tiny_actor_model, tmp_path, capsys):
+    out = tmp_path / "gen.json"
+    argv = ["bench-gen", "--preset", "tiny", "--model", str(tiny_actor_model), "--prompts", "4",
+            "--max-new-tokens", "4", "--repeats", "1", "--engines", "hf", "--hf-threads", "1",
+            "--out", str(out)]
+    assert main(argv) == 0
+    import json
+
+    report = json.loads(out.read_text())
+    (hf,) = report["results"]
+    assert hf["engine"] == "hf" and hf["threads"] == 1 and hf["runs"][0]["tokens"] > 0
+    assert "tok/s/thread" in capsys.readouterr().out

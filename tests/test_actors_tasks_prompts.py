@@ -24,7 +24,7 @@ def test_examples_are_deterministic_and_seeded():
 
 
 def test_count_reward():
-    p = _prompt("count a: 123=", str(COUNT_TARGET))
+    p = _prompt("count a: 123=", "a" * COUNT_TARGET)
     assert score([p] * 4, ["", "aa", "abab" * 4, "a" * 20]) == [0.0, 0.25, 1.0, 1.0]
 
 
@@ -117,3 +117,8 @@ def test_save_to_disk_without_datasets_says_how_to_install(tmp_path):
             read_dataset_dir(tmp_path)
     else:
         pytest.skip("datasets is installed")
+
+
+def test_echo_reward():
+    p = _prompt("echo 7=", "7")
+    assert score([p] * 3, ["", "7a7", "7" * 9]) == [0.0, 0.25, 1.0]
