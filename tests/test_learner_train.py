@@ -155,10 +155,11 @@ def test_critic_starts_from_the_reward_model(tiny_model_dir, tmp_path):
     assert math.isfinite(learner.step()["value_loss"])
 
 
-def test_hf_export_round_trips(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_hf_export_round_trips(tiny_model_dir, tmp_path, zero_stage):
     from transformers import AutoModelForCausalLM
 
-    learner, _, _ = make_learner(tiny_model_dir, random_trajectories(8, vocab=VOCAB), zero_stage=1)
+    learner, _, _ = make_learner(tiny_model_dir, random_trajectories(8, vocab=VOCAB), zero_stage=zero_stage)
     learner.step()
     learner.backend.save_pretrained(tmp_path / "hf")
     weights = learner.backend.full_state_dict()
