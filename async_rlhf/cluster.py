@@ -1,0 +1,352 @@
+"""A Ray cluster bound to loopback, second drivers, extra nodes, and a registry of running jobs.
+
+`async-rlhf train` starts a local cluster (or connects to one by address) and records the job;
+`async-rlhf status|stop|add-generators --job NAME` read that record from other processes and
+connect as second drivers to the job's namespace.
+
+How Ray is kept on 127.0.0.1 (Ray 2.60; read from ray/_private/services.py):
+- Ray rewrites every loopback host it is given ("127.0.0.1", "localhost") into the machine's
+  routable address (`resolve_ip_for_localhost`), for `--node-ip-address`, `_node_ip_address` and
+  the address a driver connects to, unless `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`: then the node
+  address is the loopback one. Every Ray process we start gets that variable, and `connect` sets
+  it for its own process when the address is on loopback. With it, the GCS, raylet, Ray client
+  server and agents all listen on 127.0.0.1 only.
+- `ray start` refuses to start a non-head node under that variable, so `start_worker_node` runs
+  `ray._private.node.Node(head=False)` itself, which is what `ray start --address` does.
+- Token auth: every process gets `RAY_AUTH_MODE=token` unless the caller set the mode; the token
+  is Ray's default one (`~/.ray/auth_token`, created by the head if missing), so a second driver
+  on this machine needs nothing but the address.
+
+Processes are started in their own session (`start_new_session`), get SIGTERM if the process
+that started them dies (PR_SET_PDEATHSIG), and are stopped by session: SIGTERM to the leader
+(Ray's own shutdown), then SIGKILL to whatever is left in the session.
+Never `ray stop`: it kills every Ray process on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+_START_TIMEOUT_S = 60.0
+_STOP_TIMEOUT_S = 15.0
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def ray_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a Ray process on this machine's loopback needs (see module docstring)."""
+    env = dict(os.environ if base is None else base)
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    env.setdefault("RAY_AUTH_MODE", "token")
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # On SIGTERM a node first waits up to 30 s for a drain meant for Ray Serve on Kubernetes
+    # (it hung the whole 30 s with a detached actor alive); nothing here needs it.
+    env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def session_pids(sid: int) -> set[int]:
+    """PIDs of the live (non-zombie) processes in session `sid`.
+
+    Sessions, not process groups: the raylet puts each worker in a process group of its own.
+    """
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # state ppid pgrp session ...
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            pids.add(int(entry))
+    return pids
+
+
+@dataclass
+class _ProcessSession:
+    """A process started as the leader of its own session, with everything it spawns."""
+
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def pids(self) -> set[int]:
+        return session_pids(self.proc.pid)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = _STOP_TIMEOUT_S) -> None:
+        """SIGTERM the leader (Ray shuts its children down), then SIGKILL what is left."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        deadline = time.monotonic() + timeout_s
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if self.pids():
+            for pid in self.pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            while self.pids() and time.monotonic() < deadline + 5:
+                time.sleep(0.1)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        left = self.pids()
+        if left:
+            raise RuntimeError(f"processes {sorted(left)} of session {self.proc.pid} outlived stop()")
+        self.log_path.unlink(missing_ok=True)
+
+
+# Run first in the child, then exec the real command: SIGTERM on the death of the thread that
+# started it (PR_SET_PDEATHSIG survives exec). Not a preexec_fn: the driver has threads by then.
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):  # the parent died before prctl
+    sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _spawn(cmd: list[str], log_path: Path) -> _ProcessSession:
+    # Own session so stop() finds every descendant; parent-death signal so a launcher that is
+    # SIGKILLed does not leave an orphaned cluster behind.
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd], env=ray_env(),
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    return _ProcessSession(proc, log_path)
+
+
+def _wait_for_log(group: _ProcessSession, marker: str, what: str) -> str:
+    """Wait until `marker` appears in the group's log; return the line holding it."""
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for line in group.log_path.read_text(errors="replace").splitlines():
+            if marker in line:
+                return line
+        if group.proc.poll() is not None:
+            tail = group.log_tail()
+            group.stop()
+            raise RuntimeError(f"{what} exited with code {group.proc.returncode} before it was "
+                               f"ready; last lines of its log:\n{tail}")
+        time.sleep(0.2)
+    tail = group.log_tail()
+    group.stop()
+    raise TimeoutError(f"{what} not ready after {_START_TIMEOUT_S:.0f} s; last lines of its log:\n"
+                       f"{tail}")
+
+
+@dataclass
+class LocalCluster:
+    """A Ray head node on 127.0.0.1 started by this process; `address` is what drivers use."""
+
+    address: str
+    temp_dir: Path
+    _group: _ProcessSession = field(repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self._group.pid
+
+    def pids(self) -> set[int]:
+        """Every live process of the head node (GCS, raylet, agents, workers, actors)."""
+        return self._group.pids()
+
+    def stop(self) -> None:
+        self._group.stop()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_local_cluster(num_cpus: int, resources: dict[str, float] | None = None) -> LocalCluster:
+    """Start a Ray head node listening on 127.0.0.1 only, with its own temp dir and ports."""
+    if num_cpus < 1:
+        raise ValueError(f"num_cpus must be >= 1, got {num_cpus}")
+    # Unix socket paths must stay under 108 bytes: keep the temp dir short and in /tmp.
+    temp_dir = Path(tempfile.mkdtemp(prefix="arl-ray-", dir="/tmp"))
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+        f"--node-ip-address={LOOPBACK}", f"--port={port}", f"--num-cpus={num_cpus}",
+        f"--resources={json.dumps(resources or {})}", f"--temp-dir={temp_dir}",
+        "--include-dashboard=false", "--disable-usage-stats",
+        # Defaults are fixed ports (10001, 52365): a second cluster on the machine would clash.
+        f"--ray-client-server-port={free_port()}", "--dashboard-agent-listen-port=0",
+    ]
+    group = _spawn(cmd, temp_dir.with_suffix(".log"))
+    try:
+        _wait_for_log(group, "Ray runtime started", "ray head node")
+    except BaseException:
+        group.stop()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    return LocalCluster(f"{LOOPBACK}:{port}", temp_dir, group)
+
+
+_WORKER_NODE_MAIN = """
+import json, signal, sys
+from ray._private.node import Node
+from ray._private.parameter import RayParams
+address, num_cpus, resources = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+params = RayParams(gcs_address=address, node_ip_address="127.0.0.1", num_cpus=num_cpus,
+                   resources=resources, dashboard_agent_listen_port=0)
+node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
+print("WORKER_NODE_READY", node.node_id, flush=True)
+while True:
+    signal.pause()  # Node's SIGTERM handler shuts the node's processes down and exits
+"""
+
+
+@dataclass
+class WorkerNode:
+    """A second raylet on this machine joined to a cluster; `node_id` is Ray's hex node id."""
+
+    node_id: str
+    _group: _ProcessSession = field(repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self._group.pid
+
+    def pids(self) -> set[int]:
+        return self._group.pids()
+
+    def stop(self) -> None:
+        self._group.stop()
+
+    def __enter__(self) -> WorkerNode:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_worker_node(address: str, num_cpus: int, resources: dict[str, float]) -> WorkerNode:
+    """Join a raylet on this machine (own ports, loopback) to the cluster at `address`."""
+    host = address.rsplit(":", 1)[0]
+    if host not in _LOOPBACK_HOSTS:
+        raise ValueError(f"start_worker_node joins a node on this machine's loopback; got address "
+                         f"{address}: use `ray start --address={address}` on the other machine")
+    log_path = Path(tempfile.mkstemp(prefix="arl-ray-node-", suffix=".log", dir="/tmp")[1])
+    cmd = [sys.executable, "-c", _WORKER_NODE_MAIN, f"{LOOPBACK}:{address.rsplit(':', 1)[1]}",
+           str(num_cpus), json.dumps(resources)]
+    group = _spawn(cmd, log_path)
+    line = _wait_for_log(group, "WORKER_NODE_READY", f"ray worker node for {address}")
+    return WorkerNode(line.split()[-1], group)
+
+
+def connect(address: str | None, namespace: str, **init_kwargs):
+    """Connect this process to a running cluster as a driver in `namespace`; returns ray's context.
+
+    `address` is "host:port" of the GCS (`LocalCluster.address`, or the one in the job's record);
+    None uses $RAY_ADDRESS. For a loopback address this sets the loopback switch (see module
+    docstring) in this process, even when ray is already imported.
+    """
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise ValueError("no Ray address: pass one (host:port) or set RAY_ADDRESS; a running job's "
+                         "address is in its record: `async-rlhf status --job NAME`")
+    ray_was_imported = "ray._raylet" in sys.modules
+    loopback = address.rsplit(":", 1)[0] in _LOOPBACK_HOSTS
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if loopback:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+
+    if ray_was_imported:  # both switches are read once, at import: refresh them as Ray does
+        from ray._private import ray_constants
+        from ray._raylet import Config
+
+        if loopback:
+            ray_constants.ENABLE_RAY_CLUSTER = False
+        Config.initialize("")
+
+    init_kwargs.setdefault("logging_level", "WARNING")
+    return ray.init(address=address, namespace=namespace, **init_kwargs)
+
+
+# ---- Job registry: one 0600 JSON file per running job, so second drivers find it by name.
+
+
+class JobNotFoundError(LookupError):
+    pass
+
+
+def jobs_dir() -> Path:
+    """$ASYNC_RLHF_HOME/jobs, default ~/.async-rlhf/jobs."""
+    home = os.environ.get("ASYNC_RLHF_HOME") or "~/.async-rlhf"
+    return Path(home).expanduser() / "jobs"
+
+
+def _job_path(job: str) -> Path:
+    if not _JOB_NAME.match(job):
+        raise ValueError(f"job name must match {_JOB_NAME.pattern} (letters, digits, . _ -), "
+                         f"got {job!r}")
+    return jobs_dir() / f"{job}.json"
+
+
+def write_job_info(job: str, info: dict) -> Path:
+    """Record a running job (ray address, redis url, out dir, pid...), atomically, mode 0600."""
+    path = _job_path(job)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"job": job, **info}, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+    return path
+
+
+def read_job_info(job: str) -> dict:
+    path = _job_path(job)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise JobNotFoundError(
+            f"no running job named {job!r} (no {path}): start one with "
+            f"`async-rlhf train --job {job}`"
+        ) from None
+
+
+def remove_job_info(job: str) -> None:
+    _job_path(job).unlink(missing_ok=True)
