@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 
 # name -> (module, one-line help, function suffix or "")
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -24,7 +25,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Callable[[argparse.Namespace], int]]:
+    """The arguments and the function that runs the chosen command."""
     parser = argparse.ArgumentParser(prog="async-rlhf", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     runners = {}
@@ -39,11 +41,20 @@ def main(argv: list[str] | None = None) -> int:
         infix = f"_{suffix}" if suffix else ""
         getattr(module, f"add{infix}_arguments")(p)
         runners[name] = getattr(module, f"run{infix}")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may come anywhere, also between flags (argparse alone wants them together)
+    if extra and (not hasattr(args, "overrides") or any(t.startswith("-") or "=" not in t for t in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if args.command not in runners:
-        print(f"async-rlhf {args.command}: not available yet in this version", file=sys.stderr)
-        return 2
-    return int(runners[args.command](args) or 0)
+        parser.exit(2, f"async-rlhf {args.command}: not available yet in this version\n")
+    return args, runners[args.command]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, runner = parse(argv)
+    return int(runner(args) or 0)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:

@@ -54,6 +54,8 @@ def ray_env(base: dict[str, str] | None = None) -> dict[str, str]:
     # On SIGTERM a node first waits up to 30 s for a drain meant for Ray Serve on Kubernetes
     # (it hung the whole 30 s with a detached actor alive); nothing here needs it.
     env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
+    # gloo (learner ranks, weight broadcast) otherwise picks the interface of the hostname
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
 
 

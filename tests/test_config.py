@@ -82,3 +82,15 @@ def test_cli_help_lists_commands(capsys):
     out = capsys.readouterr().out
     for name in COMMANDS:
         assert name in out
+
+
+def test_cli_overrides_may_come_between_flags():
+    from async_rlhf.cli import config_from_args, parse
+
+    args, _ = parse(["train", "learner.steps=3", "--max-staleness", "1", "generator.count=2"])
+    cfg = config_from_args(args)
+    assert (cfg.learner.steps, cfg.max_staleness, cfg.generator.count) == (3, 1, 2)
+    with pytest.raises(SystemExit):
+        parse(["train", "--bogus-flag"])
+    with pytest.raises(SystemExit):
+        parse(["status", "--job", "x", "learner.steps=3"])  # status takes no overrides

