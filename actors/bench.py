@@ -7,7 +7,8 @@ process's threads and memory policy), is warmed up once, then timed `--repeats` 
 response tokens actually produced (EOS included, padding not). Reported: tokens/s, tokens/s per
 thread, mean response length, share of responses that ended at EOS, and the per-thread speedup
 of vLLM over transformers at its best thread count (`--hf-threads 1,2` runs both: on a busy
-machine 2 OpenMP threads can be several times slower than 1, since they wait on each other); written as JSON (and a PNG bar chart when matplotlib is present).
+machine 2 OpenMP threads can be several times slower than 1, since they wait on each other);
+written as JSON (and a PNG bar chart when matplotlib is present).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=["tiny", "small"], default="small")
-    parser.add_argument("--model", default=None, help="model directory (default runs/models/<preset>; built if absent)")
+    parser.add_argument("--model", default=None,
+                        help="model directory (default runs/models/<preset>; built if absent)")
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -67,17 +69,30 @@ def _measure(args: argparse.Namespace) -> dict:
     tps = sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs)
     return {"engine": args.worker, "threads": threads, "torch_threads_seen": torch.get_num_threads(),
             "startup_s": startup_s, "tokens_per_s": tps, "tokens_per_s_per_thread": tps / threads,
-            "runs": runs}
+            "weight_update_s": _time_weight_update(engine, args.model), "runs": runs}
+
+
+def _time_weight_update(engine, model_path: str) -> float:
+    """Seconds for one update_weights of the full model (tensors already in memory)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(model_path) / "model.safetensors"))
+    start = time.perf_counter()
+    engine.update_weights(weights.items(), version=1)
+    return time.perf_counter() - start
 
 
 def _spawn(args: argparse.Namespace, engine: str, hf_threads: str) -> dict:
-    argv = [sys.executable, "-m", "async_rlhf.cli", "bench-gen", "--worker", engine, "--hf-threads", hf_threads]
+    argv = [sys.executable, "-m", "async_rlhf.cli", "bench-gen", "--worker", engine,
+            "--hf-threads", hf_threads]
     for key in ("preset", "model", "prompts", "max_new_tokens", "temperature", "vllm_threads",
                 "repeats", "task"):
         argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"bench-gen {engine} worker failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"bench-gen {engine} worker failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -129,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
         eos = ", ".join(f"{x['ended_at_eos']:.0%}" for x in r["runs"])
         print(f"  {r['engine']:5s} threads {r['threads']}: {r['tokens_per_s']:7.0f} tok/s, "
               f"{r['tokens_per_s_per_thread']:7.0f} tok/s/thread (mean length {lengths}; "
-              f"ended at EOS {eos}; startup {r['startup_s']:.1f} s)")
+              f"ended at EOS {eos}; startup {r['startup_s']:.1f} s; full weight update "
+              f"{r['weight_update_s']:.2f} s)")
     if "per_thread_speedup_vllm_over_hf" in report:
         print(f"  vLLM / transformers (best per thread): {report['per_thread_speedup_vllm_over_hf']:.2f}x")
     print(f"  -> {out}")

@@ -161,7 +161,9 @@ class Generator:
             self._last_reward = float(np.mean([t.reward for t in kept]))
         return kept
 
-    def _set_aside_sample(self, prompt: Prompt, sample: Sample, version: int, reason: str, detail: str) -> None:
+    def _set_aside_sample(
+        self, prompt: Prompt, sample: Sample, version: int, reason: str, detail: str
+    ) -> None:
         self._set_aside[reason] += 1
         if self._set_aside[reason] in (1, 10, 100) or self._set_aside[reason] % 1000 == 0:
             log.warning("%s: sample set aside (%s, %d so far): %s", self.generator_id, reason,

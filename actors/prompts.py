@@ -36,7 +36,9 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{line_no} is not valid JSON ({e.msg}): fix or remove the line") from None
+            raise ValueError(
+                f"{path}:{line_no} is not valid JSON ({e.msg}): fix or remove the line"
+            ) from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{line_no} must hold a JSON object, got {type(row).__name__}")
         rows.append(row)

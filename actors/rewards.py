@@ -168,12 +168,14 @@ class Scorer:
     def _call(self, reward: RewardFn, timeout_s: float, prompts, responses) -> list:
         """One value per response: a finite float or a (reason, detail) failure."""
         outcome = self._bounded(reward, timeout_s, prompts, responses)
-        if isinstance(outcome, tuple) and outcome[0] == "reward_raised" and len(responses) > 1:  # find the culprit(s)
+        if isinstance(outcome, tuple) and outcome[0] == "reward_raised" and len(responses) > 1:
+            # one call per response finds the culprit(s); the others keep their rewards
             return [self._call(reward, timeout_s, [p], [r])[0] for p, r in zip(prompts, responses)]
         if isinstance(outcome, tuple):
             return [outcome] * len(responses)
         if len(outcome) != len(responses):
-            bad = ("reward_bad_output", f"{reward.name} returned {len(outcome)} values for {len(responses)} responses")
+            bad = ("reward_bad_output",
+                   f"{reward.name} returned {len(outcome)} values for {len(responses)} responses")
             return [bad] * len(responses)
         return [self._check(reward.name, v) for v in outcome]
 

@@ -92,13 +92,15 @@ def test_vllm_update_weights_matches_transformers(vllm_engine, prompts, tiny_act
     assert after != before  # the update did change what the engine generates
     # Sampled log-probs follow the new weights too.
     (group,) = vllm_engine.generate(prompts[:1], 2)
-    assert max(np.abs(_recompute(model, prompts[0], s, TEMPERATURE) - s.behavior_logprobs).max() for s in group) <= 1e-3
+    for s in group:
+        assert np.abs(_recompute(model, prompts[0], s, TEMPERATURE) - s.behavior_logprobs).max() <= 1e-3
     vllm_engine.update_weights(original.items(), version=8)
     assert [g[0].response_ids.tolist() for g in vllm_engine.generate(prompts, 1, greedy=True)] == before
 
 
 def test_hf_engine_logprobs_and_update(tiny_actor_model, prompts):
-    engine = make_engine(GeneratorConfig(engine="hf", max_new_tokens=MAX_NEW, temperature=TEMPERATURE), tiny_actor_model)
+    cfg = GeneratorConfig(engine="hf", max_new_tokens=MAX_NEW, temperature=TEMPERATURE)
+    engine = make_engine(cfg, tiny_actor_model)
     assert isinstance(engine, HFEngine) and engine.policy_version == 0
     groups = engine.generate(prompts, n=2)
     _check_samples(groups, prompts, 2, engine.eos_token_id)

@@ -77,7 +77,8 @@ def vllm_engine(tiny_actor_model):
 def _generator(engine, path, queue, gate, records=RECORDS):
     tok = AutoTokenizer.from_pretrained(path)
     scorer = Scorer([(FunctionReward(f"{__name__}:picky_reward", name="picky"), 1.0, 5.0)])
-    return Generator(engine, PromptStream(records, tok, seed=0), scorer, queue, EngineGate(gate, lambda: engine.policy_version),
+    gate = EngineGate(gate, lambda: engine.policy_version)
+    return Generator(engine, PromptStream(records, tok, seed=0), scorer, queue, gate,
                      generator_id="gen-t", prompts_per_batch=4, group_size=2, poll_s=0.01)
 
 
@@ -90,7 +91,8 @@ def test_failed_rewards_are_set_aside_and_loop_goes_on(vllm_engine, tiny_actor_m
     assert stats["set_aside"] == {"reward_raised": 4, "reward_nan": 4}
     assert sorted(r for r, _, _ in queue.dead) == ["reward_nan"] * 4 + ["reward_raised"] * 4
     reason, detail, payload = next(d for d in queue.dead if d[0] == "reward_raised")
-    assert "reward crashed on boom" in detail and payload["prompt"] == "copy 1=" and payload["policy_version"] == 0
+    assert "reward crashed on boom" in detail
+    assert payload["prompt"] == "copy 1=" and payload["policy_version"] == 0
     assert gate.accepted == 8 and gate.running == 0  # set-aside samples freed their slots
     for t in queue.items:
         t.validate()

@@ -151,4 +151,5 @@ def test_model_reward(tmp_path, tiny_actor_model):
     assert len(batch) == 3 and batch[0] == pytest.approx(one[0], abs=1e-5)
     assert all(math.isfinite(v) for v in batch)
     spec = RewardSpec(kind="model", target=str(tmp_path / "rm"), weight=0.5)
-    assert Scorer.from_specs([spec]).score(PROMPTS[:1], ["00"])[0].reward == pytest.approx(0.5 * one[0], abs=1e-5)
+    (scored,) = Scorer.from_specs([spec]).score(PROMPTS[:1], ["00"])
+    assert scored.reward == pytest.approx(0.5 * one[0], abs=1e-5)

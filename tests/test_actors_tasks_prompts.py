@@ -57,7 +57,8 @@ def test_task_stream_epochs_shuffle_deterministically(tok):
     b = PromptStream(records, tok, seed=5)
     assert [p.prompt_id for p in b.take(6)] == [p.prompt_id for p in first + second]
     other = PromptStream(records * 10, tok, seed=5, stream=1)  # another generator's order
-    assert [p.prompt_id for p in other.take(30)] != [p.prompt_id for p in PromptStream(records * 10, tok, seed=5).take(30)]
+    same_seed = PromptStream(records * 10, tok, seed=5)
+    assert [p.prompt_id for p in other.take(30)] != [p.prompt_id for p in same_seed.take(30)]
     p = first[0]
     assert p.token_ids[0] == tok.bos_token_id and tok.decode(p.token_ids, skip_special_tokens=True) == p.text
 

@@ -103,5 +103,7 @@ class HFEngine:
             seen.add(name)
         missing = sorted(set(params) - seen)
         if missing:
-            raise ValueError(f"update_weights got no tensor for {len(missing)} parameters, e.g. {missing[0]!r}")
+            raise ValueError(
+                f"update_weights got no tensor for {len(missing)} parameters, e.g. {missing[0]!r}"
+            )
         self._version = version

@@ -135,7 +135,7 @@ class VLLMEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load full HF-named weights into every worker, then generate as `version`."""
-        weights = [(name, t.detach().to("cpu" if self.device == "cpu" else t.device)) for name, t in named_tensors]
+        weights = [(name, t.detach()) for name, t in named_tensors]
         self.llm.collective_rpc("reload_named_weights", args=(weights,))
         self.llm.reset_prefix_cache()
         self._version = version
