@@ -77,8 +77,10 @@ class Generator:
         """Load new weights at the next safe point (blocks while a batch is being generated)."""
         start = time.perf_counter()
         with self._engine_lock:
+            loaded = time.perf_counter()
             self.engine.update_weights(named_tensors, version)
-        self._seconds["weight_update"] += time.perf_counter() - start
+            self._seconds["weight_update"] += time.perf_counter() - loaded
+        self._seconds["weight_wait"] += loaded - start  # for the batch in flight to end
         self._counts["weight_updates"] += 1
 
     def run(self, stop: threading.Event, max_batches: int | None = None) -> dict[str, Any]:
@@ -195,7 +197,8 @@ class Generator:
             "score_s": self._seconds["score"],
             "put_s": self._seconds["put"],
             "idle_s": self._seconds["idle"],
-            "weight_update_s": self._seconds["weight_update"],
+            "weight_update_s": self._seconds["weight_update"],  # loading only
+            "weight_wait_s": self._seconds["weight_wait"],  # waiting for the safe point
             "tokens_per_s": self._counts["tokens"] / gen_s if gen_s else 0.0,
             "last_mean_reward": self._last_reward,
         }

@@ -128,6 +128,7 @@ def test_gate_wait_and_weights_at_the_safe_point(vllm_engine, tiny_actor_model):
     assert [t.policy_version for t in queue.items] == [0] * 8 + [1] * 8 + [2] * 8
     s = gen.stats()
     assert s["weight_updates"] == 2 and s["policy_version"] == 2
+    assert s["weight_update_s"] > 0 and s["weight_wait_s"] >= 0
 
 
 @pytest.mark.slow
