@@ -84,6 +84,9 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WeightReloadExtension",
             seed=seed,
+            # CPU: 32-token KV blocks decode ~15% faster than the default 128 here (bench-gen,
+            # small preset, short responses); on GPU vLLM's default stands.
+            **({"block_size": 32} if self.device == "cpu" else {}),
         )
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
 
