@@ -153,3 +153,34 @@ def test_make_generator_from_config(tiny_actor_model):
     assert all(t.reward_parts.keys() == {"actors.tasks:score"} for t in queue.items)
     assert all(np.isfinite(t.behavior_logprobs).all() for t in queue.items)
     assert torch.get_num_threads() >= 1
+
+
+@pytest.mark.slow
+def test_generator_into_the_real_redis_stream(vllm_engine, tiny_actor_model, redis_server, stream_name):
+    """End to end on the producer side: what the generator puts, a learner consumer reads back
+    intact; the failed-reward samples are in the dead-letter stream, counted by reason."""
+    import redis
+
+    from buffer.redis_stream import RedisExperienceQueue
+
+    def queue(consumer):
+        client = redis.Redis.from_url(redis_server.url, decode_responses=False)
+        return RedisExperienceQueue(client, consumer, stream=stream_name)
+
+    producer, consumer = queue("gen-t"), queue("learner-0")
+    gate = StalenessGate(max_staleness=0, batch_size=8)
+    gen = _generator(vllm_engine, tiny_actor_model, producer, gate)
+    assert gen.step() == 4  # 4 prompts x 2 samples, the boom and nan prompts' 4 set aside
+    got = consumer.get(10, block_ms=2000)
+    assert len(got) == 4
+    for r in got:
+        r.trajectory.validate()
+        assert r.trajectory.policy_version == vllm_engine.policy_version
+        assert r.trajectory.generator_id == "gen-t" and r.trajectory.reward == 0.5
+    consumer.ack([r.entry_id for r in got])
+    counters = producer.stats().counters
+    assert counters["produced"] == 4 and counters["trained"] == 4
+    assert counters["set_aside:reward_raised"] == 2 and counters["set_aside:reward_nan"] == 2
+    letters = producer.dead_letters()
+    assert sorted(d.reason for d in letters) == ["reward_nan"] * 2 + ["reward_raised"] * 2
+    assert json.loads(letters[0].raw)["generator_id"] == "gen-t"
