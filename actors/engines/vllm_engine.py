@@ -54,6 +54,7 @@ class VLLMEngine:
         tensor_parallel: int = 1,
     ):
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self._environ = dict(os.environ)  # vLLM sets variables in this process; close() undoes it
         if self.device == "cpu":
             if tensor_parallel != 1:
                 raise ValueError(
@@ -92,7 +93,8 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Shut the engine down and undo what the in-process engine set on this process (the
-        default torch.distributed group, torch.set_num_threads), e.g. between tests."""
+        default torch.distributed group, torch.set_num_threads, environment variables), e.g.
+        between tests."""
         import gc
 
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
@@ -103,6 +105,8 @@ class VLLMEngine:
         destroy_model_parallel()
         destroy_distributed_environment()
         torch.set_num_threads = self._set_num_threads
+        os.environ.clear()
+        os.environ.update(self._environ)
 
     @property
     def policy_version(self) -> int:
