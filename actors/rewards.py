@@ -10,10 +10,10 @@ retried alone so that one bad response does not take its batch down with it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib
 import json
 import math
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -141,8 +141,6 @@ class Scorer:
         if len(set(names)) != len(names):
             raise ValueError(f"reward names must be distinct, got {names}")
         self.rewards = list(rewards)
-        # A reward that hangs past its timeout keeps its thread; the pool lets scoring go on.
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
 
     @classmethod
     def from_specs(cls, specs: Sequence[RewardSpec]) -> Scorer:
@@ -179,14 +177,23 @@ class Scorer:
             return [bad] * len(responses)
         return [self._check(reward.name, v) for v in outcome]
 
-    def _bounded(self, reward: RewardFn, timeout_s: float, prompts, responses):
-        future = self._pool.submit(reward, list(prompts), list(responses))
-        try:
-            return list(future.result(timeout=timeout_s))
-        except concurrent.futures.TimeoutError:
-            return ("reward_timeout", f"{reward.name} took longer than {timeout_s} s")
-        except Exception as e:  # noqa: BLE001 - any reward bug is the sample's failure, not ours
-            return ("reward_raised", f"{reward.name}: {type(e).__name__}: {e}")
+    @staticmethod
+    def _bounded(reward: RewardFn, timeout_s: float, prompts, responses):
+        """reward(prompts, responses) as a list, or a (reason, detail) failure. The call runs in
+        a daemon thread: one that hangs past its timeout is abandoned (it cannot be killed) but
+        neither blocks scoring nor keeps the process from exiting."""
+        outcome: list = [("reward_timeout", f"{reward.name} took longer than {timeout_s} s")]
+
+        def call() -> None:
+            try:
+                outcome[0] = list(reward(list(prompts), list(responses)))
+            except Exception as e:  # noqa: BLE001 - any reward bug is the sample's failure
+                outcome[0] = ("reward_raised", f"{reward.name}: {type(e).__name__}: {e}")
+
+        thread = threading.Thread(target=call, name=f"reward:{reward.name}", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        return outcome[0]
 
     @staticmethod
     def _check(name: str, value) -> float | tuple[str, str]:
