@@ -17,8 +17,10 @@ def _coordinator(job: str):
     info = cluster.read_job_info(job)
     cluster.connect(info["ray_address"], namespace=info["namespace"])
     try:
-        return info, ray.get_actor("coordinator")
-    except ValueError:
+        coordinator = ray.get_actor("coordinator")
+        ray.get(coordinator.stop_requested.remote())
+        return info, coordinator
+    except (ValueError, ray.exceptions.RayActorError):
         raise SystemExit(f"job {job!r} is registered but its coordinator is gone: has it ended?") from None
 
 

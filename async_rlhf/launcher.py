@@ -54,9 +54,9 @@ class Job:
         self.out = Path(cfg.out)
         self.generators: dict[str, Any] = {}  # generator id -> actor handle
         self.next_index = 0
-        self.epoch_dirty = True
         self.gen_stats: dict[str, dict] = {}
         self.forgotten = 0  # dropped samples already returned to the gate
+        self.last_tick = 0.0
 
     # -- setup and teardown ----------------------------------------------------------------
     def run(self) -> int:
@@ -119,7 +119,8 @@ class Job:
         from async_rlhf.cluster import free_port
 
         ray, cfg = self.ray, self.cfg
-        worker = ray.remote(LearnerWorker).options(num_cpus=1, max_concurrency=1)
+        # max_concurrency 2: open_epoch runs while a step waits for the samples it will bring
+        worker = ray.remote(LearnerWorker).options(num_cpus=1, max_concurrency=2)
         master = ("127.0.0.1", free_port())
         self.learners = [worker.remote(cfg, rank, master, self.redis_url, self.resume)
                          for rank in range(cfg.learner.ranks)]
@@ -140,20 +141,16 @@ class Job:
         handle = self.ray.remote(GeneratorWorker).options(**options).remote(
             self.cfg, index, self.redis_url, self.coordinator)
         self.generators[f"gen-{index}"] = handle
-        self.epoch_dirty = True
         print(f"generator gen-{index} starting{' on ' + json.dumps(resources) if resources else ''}")
 
     def _new_epoch(self) -> None:
-        """Form a weight-sync group of the learner and the live generators; send them the
-        current weights (new members catch up before they are admitted to generate)."""
+        """Form a weight-sync group of the learner and the live generators. It forms in the
+        background, also during a learner step, and starts by sending the newest weights."""
         ray = self.ray
         gens = list(self.generators.items())
         address = ray.get(self.learners[0].open_epoch.remote(len(gens) + 1))
         ray.get([h.join_epoch.remote(address, rank) for rank, (_, h) in enumerate(gens, start=1)])
-        ok = ray.get([l.sync_weights.remote() for l in self.learners])[0]
-        self.epoch_dirty = not ok
-        log.info("weight-sync epoch %d: learner + %s%s", address.epoch, [g for g, _ in gens],
-                 "" if ok else " (failed; retrying after the next step)")
+        log.info("weight-sync epoch %d: learner + %s", address.epoch, [g for g, _ in gens])
 
     # -- the loop --------------------------------------------------------------------------
     def _loop(self) -> int:
@@ -164,12 +161,13 @@ class Job:
         self.start_time = time.time()
         metrics_file = (self.out / "metrics.jsonl").open("a")
         version = self.start_version
+        self._new_epoch()
         while version < cfg.learner.steps:
-            if self.epoch_dirty and self.generators:
-                self._new_epoch()
             step_start = time.perf_counter()
             refs = [l.step.remote() for l in self.learners]
-            while not ray.wait(refs, num_returns=len(refs), timeout=TICK_S)[0] == refs:
+            while len(ray.wait(refs, num_returns=len(refs), timeout=TICK_S)[0]) < len(refs):
+                self._tick()
+            if time.monotonic() - self.last_tick >= TICK_S:  # fast steps: still watch each second
                 self._tick()
             metrics = ray.get(refs)[0]  # raises if a rank failed
             version = metrics["version"]
@@ -183,6 +181,8 @@ class Job:
     def _tick(self) -> None:
         """While a step runs: watch generators, take requests, publish the status snapshot."""
         ray = self.ray
+        self.last_tick = time.monotonic()
+        members = set(self.generators)
         for request in ray.get(self.coordinator.take_requests.remote()):
             self._add_generator(request["resources"])
         refs = {gid: h.stats.remote() for gid, h in self.generators.items()}
@@ -195,6 +195,8 @@ class Job:
             if error := self.gen_stats[gid]["error"]:
                 log.error("generator %s failed:\n%s", gid, error)
                 self._lose_generator(gid, error.strip().splitlines()[-1])
+        if set(self.generators) != members:
+            self._new_epoch()
         ray.get(self.coordinator.set_snapshot.remote(self._snapshot()))
 
     def _lose_generator(self, gid: str, why: str) -> None:
@@ -202,7 +204,6 @@ class Job:
         handle = self.generators.pop(gid)
         freed = ray.get(self.coordinator.release.remote(gid))
         ray.kill(handle)
-        self.epoch_dirty = True
         print(f"generator {gid} lost ({why}); {freed} admitted samples released", file=sys.stderr)
 
     def _record(self, m: dict[str, Any], step_s: float, metrics_file) -> None:

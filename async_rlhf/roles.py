@@ -126,15 +126,18 @@ class GeneratorWorker:
 
     def join_epoch(self, address: SyncAddress, rank: int) -> None:
         """Join a membership epoch; updates then arrive in the background."""
-        threading.Thread(target=self._guard, args=(self._receive, address, rank),
+        threading.Thread(target=self._receive, args=(address, rank),
                          name=f"receive-epoch{address.epoch}", daemon=True).start()
 
     def _receive(self, address: SyncAddress, rank: int) -> None:
-        receiver = WeightReceiver(address, rank)
-        while (update := receiver.receive()) is not None:
-            with self._update_ready:  # keep only the newest: a slow batch never queues stale ones
-                self._latest = update
-                self._update_ready.notify()
+        try:
+            receiver = WeightReceiver(address, rank)
+            while (update := receiver.receive()) is not None:
+                with self._update_ready:  # keep only the newest: a slow batch never queues stale ones
+                    self._latest = update
+                    self._update_ready.notify()
+        except Exception as e:  # a member died and broke the group: the next epoch replaces it
+            log.warning("%s: weight-sync epoch %d ended: %s", self.generator_id, address.epoch, e)
 
     def _apply_updates(self) -> None:
         while not self.stop_event.is_set():
@@ -184,21 +187,15 @@ class LearnerWorker:
             publisher=self.broadcaster,
             ckpt_dir=self.out / "checkpoints",
         )
-        self.resumed = self.learner.resume() if resume else False
+        if resume and self.learner.resume():
+            self.learner.publish_weights()  # kept by the broadcaster for the first epoch
 
     def get_version(self) -> int:
         return self.learner.version
 
     def open_epoch(self, world_size: int) -> SyncAddress:
+        """Called while a step may be running (a threaded actor): touches only the broadcaster."""
         return self.broadcaster.open_epoch(world_size)
-
-    def sync_weights(self) -> bool:
-        """Send the current weights to the epoch's members (all ranks call it: ZeRO-3 gathers).
-        Rank 0 returns whether they arrived."""
-        weights = self.learner.backend.full_state_dict()
-        if self.broadcaster is None:
-            return True
-        return self.broadcaster.publish(weights.items(), self.learner.version)
 
     def step(self) -> dict[str, Any]:
         metrics = self.learner.step()

@@ -11,9 +11,8 @@ Wire format of one publish, all broadcasts from rank 0:
                       data  uint8[data_nbytes]   the tensors' raw bytes, back to back
     then:             header int64[4] = (END, version, 0, 0)
 
-Tensors are packed into flat byte buckets of about `bucket_mb` (one broadcast per bucket is 2-6x
-faster than one per tensor) and streamed, so a ZeRO-3 learner never holds more than one bucket
-beyond the shard it gathers.
+Tensors are packed into flat byte buckets of about `bucket_mb`: one broadcast per bucket is 2-6x
+faster than one per tensor.
 """
 
 from __future__ import annotations
@@ -83,8 +82,11 @@ class WeightBroadcaster:
     """Learner rank 0's side (the WeightPublisher protocol).
 
     `open_epoch` returns the address the epoch's generators join; the group forms in the
-    background and replaces the old one at the next `publish`. Publishing with no generator
-    still consumes the tensors (a ZeRO-3 gather is collective across learner ranks).
+    background. The last published version is kept packed (one copy of the weights), and a group
+    sends it as soon as it has formed: a generator that joins, or the survivors of one that died,
+    catch up at once instead of waiting for the learner's next step, which may itself be waiting
+    for their samples. Publishing with no group only packs (a ZeRO-3 gather is collective across
+    learner ranks, so it happens anyway). Thread-safe: open_epoch may run during a learner step.
     """
 
     def __init__(self, host: str = "127.0.0.1", backend: str | None = None,
@@ -95,8 +97,8 @@ class WeightBroadcaster:
         self.timeout_s = timeout_s
         self._epoch = 0
         self._group = None
-        self._stores: list[dist.TCPStore] = []  # the current and the pending epoch's store
-        self._pending: tuple[SyncAddress, threading.Thread, list] | None = None
+        self._store: dist.TCPStore | None = None  # the newest epoch's (clients need it alive)
+        self._last: tuple[int, list[tuple[bytes, torch.Tensor]]] | None = None
         self._lock = threading.Lock()
         self.last_publish_s = 0.0
         self.last_publish_bytes = 0
@@ -108,38 +110,37 @@ class WeightBroadcaster:
         return self._epoch
 
     def open_epoch(self, world_size: int) -> SyncAddress:
-        """Start epoch n+1 for `world_size` members (this learner is rank 0)."""
+        """Close the current epoch and start epoch n+1 for `world_size` members (this is rank 0)."""
         with self._lock:
             self._close_group()
             self._epoch += 1
-            store = dist.TCPStore(self.host, 0, world_size, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=self.timeout_s))
-            address = SyncAddress(self.host, store.port, self._epoch, world_size, self.backend)
-            result: list = []
+            self._store = dist.TCPStore(self.host, 0, world_size, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=self.timeout_s))
+            address = SyncAddress(self.host, self._store.port, self._epoch, world_size, self.backend)
+        threading.Thread(target=self._form, args=(address, self._store), daemon=True,
+                         name=f"weights-epoch{address.epoch}").start()
+        return address
 
-            def form() -> None:
-                try:
-                    result.append(_make_group(address, store, 0, self.timeout_s))
-                except Exception as e:  # a member never came; reported at the next publish
-                    result.append(e)
+    def _form(self, address: SyncAddress, store: dist.TCPStore) -> None:
+        try:
+            group = _make_group(address, store, 0, self.timeout_s) if address.world_size > 1 else None
+        except Exception as e:
+            with self._lock:
+                self._fail(f"weight-sync epoch {address.epoch}: not all {address.world_size} members "
+                           f"joined {address.host}:{address.port} within {self.timeout_s:.0f}s ({e}); "
+                           "the next membership epoch retries")
+            return
+        with self._lock:
+            if address.epoch == self._epoch:  # not superseded meanwhile
+                self._group = group
+                if self._last is not None:
+                    self._send_last()
 
-            thread = threading.Thread(target=form, name=f"weights-epoch{self._epoch}", daemon=True)
-            thread.start()
-            self._stores = self._stores[-1:] + [store]
-            self._pending = (address, thread, result)
-            return address
-
-    def _switch_to_pending(self) -> None:
-        address, thread, result = self._pending
-        self._pending = None
-        thread.join(self.timeout_s + 5)
-        if not result or isinstance(result[0], Exception):
-            raise RuntimeError(
-                f"weight-sync epoch {address.epoch}: not all {address.world_size} members joined "
-                f"{address.host}:{address.port} within {self.timeout_s}s "
-                f"({result[0] if result else 'timeout'}); the next membership epoch retries"
-            )
-        self._group = result[0] if address.world_size > 1 else None
+    def _fail(self, message: str) -> None:
+        self._group = None
+        self.failures += 1
+        self.last_error = message
+        log.error(message)
 
     def _close_group(self) -> None:
         """Tell the current members this epoch is over (they then join the next one)."""
@@ -154,48 +155,40 @@ class WeightBroadcaster:
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> bool:
         """Broadcast full weights stamped with `version` to the current epoch's generators.
 
-        A failure (a member died, one never joined) is logged and counted, never raised: the
-        learner keeps training and the launcher forms a new epoch. Returns whether it was sent.
+        A failure (a member died) is logged and counted, never raised: the learner keeps training
+        and the launcher forms a new epoch, which then receives this version. Returns whether it
+        was sent now.
         """
+        start = time.perf_counter()
+        packed = [(msgpack.packb(meta), torch.cat(chunks))
+                  for meta, chunks in _buckets(named_tensors, self.bucket_bytes)]
         with self._lock:
-            start = time.perf_counter()
-            try:
-                if self._pending is not None:
-                    self._switch_to_pending()
-                if self._group is None:
-                    for _ in named_tensors:
-                        pass
-                    return False
-                self.last_publish_bytes = self._send(named_tensors, version)
-                return True
-            except Exception as e:
-                self._group = None  # broken: wait for the next epoch
-                self.failures += 1
-                self.last_error = str(e)
-                log.error("weight broadcast of version %d failed: %s", version, e)
-                return False
-            finally:
-                self.last_publish_s = time.perf_counter() - start
+            self._last = (version, packed)
+            sent = self._group is not None and self._send_last()
+        self.last_publish_s = time.perf_counter() - start
+        return sent
 
-    def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+    def _send_last(self) -> bool:
+        version, packed = self._last
         device = _device(self.backend)
-        total = 0
-        for meta, chunks in _buckets(named_tensors, self.bucket_bytes):
-            meta_bytes = msgpack.packb(meta)
-            data = torch.cat(chunks).to(device)
-            header = torch.tensor([BUCKET, version, len(meta_bytes), data.numel()], dtype=torch.int64)
-            _broadcast(self._group, header.to(device))
-            _broadcast(self._group, torch.frombuffer(bytearray(meta_bytes), dtype=torch.uint8).to(device))
-            _broadcast(self._group, data)
-            total += data.numel()
-        _broadcast(self._group, torch.tensor([END, version, 0, 0], dtype=torch.int64, device=device))
-        return total
+        try:
+            for meta_bytes, data in packed:
+                header = torch.tensor([BUCKET, version, len(meta_bytes), data.numel()], dtype=torch.int64)
+                _broadcast(self._group, header.to(device))
+                _broadcast(self._group, torch.frombuffer(bytearray(meta_bytes), dtype=torch.uint8).to(device))
+                _broadcast(self._group, data.to(device))
+            _broadcast(self._group, torch.tensor([END, version, 0, 0], dtype=torch.int64, device=device))
+        except Exception as e:
+            self._fail(f"weight broadcast of version {version} in epoch {self._epoch} failed: {e}")
+            return False
+        self.last_publish_bytes = sum(data.numel() for _, data in packed)
+        return True
 
     def close(self) -> None:
         with self._lock:
             self._close_group()
-            self._pending = None
-            self._stores = []
+            self._epoch += 1  # a group still forming is dropped
+            self._store = None
 
 
 def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[tuple[list, list]]:

@@ -202,6 +202,7 @@ class Learner:
             "staleness_max": max(staleness),
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_hist": dict(sorted(collections.Counter(staleness).items())),
+            "trained_by_generator": dict(collections.Counter(r.trajectory.generator_id for r in items)),
             **{f"time_{k}": v for k, v in timing.items()},
             **{f"count_{k}": v for k, v in self.counters.items()},
         }
