@@ -102,22 +102,12 @@ def test_dataset_directory_of_jsonl(tmp_path, tok):
 
 
 def test_save_to_disk_directory(tmp_path, tok):
-    datasets = pytest.importorskip("datasets")
+    import datasets
+
     data = datasets.Dataset.from_dict({"prompt": ["copy 5=", "copy 6="], "answer": ["5", "6"]})
     datasets.DatasetDict({"train": data}).save_to_disk(str(tmp_path / "ds"))
     stream = make_prompt_stream(DataConfig(source="hf_dataset", path=str(tmp_path / "ds")), tok)
     assert sorted(p.answer for p in stream.prompts) == ["5", "6"]
-
-
-def test_save_to_disk_without_datasets_says_how_to_install(tmp_path):
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        (tmp_path / "state.json").write_text("{}")
-        with pytest.raises(ImportError, match="pip install datasets"):
-            read_dataset_dir(tmp_path)
-    else:
-        pytest.skip("datasets is installed")
 
 
 def test_echo_reward():
