@@ -61,7 +61,20 @@ class ExperienceQueue(Protocol):
         ...
 
     def ack(self, entry_ids: Sequence[str], reason: str = "trained") -> None:
-        """Acknowledge entries and count them under `reason` (trained, dropped_stale, ...)."""
+        """Acknowledge entries and count them under `reason` (trained, dropped_stale, ...).
+        Only entries this consumer still owns are acked and counted; the others (reclaimed
+        by another consumer meanwhile) are counted as `ack_lost`."""
+        ...
+
+    def renew(self, entry_ids: Sequence[str]) -> list[str]:
+        """Of `entry_ids`, those this consumer still owns, their reclaim timers reset.
+
+        Delivery is at-least-once (an entry whose consumer dies or stalls past the claim
+        timeout is delivered again to another); acknowledgement is exactly-once (ack, renew
+        and dead-lettering act only on entries still owned). Training is exactly-once if the
+        learner calls `renew` just before its optimizer step, trains only on the ids it
+        returns, and acks them within the claim timeout of that call (see
+        buffer/redis_stream.py)."""
         ...
 
     def dead_letter(self, reason: str, detail: str, payload: bytes = b"") -> None:

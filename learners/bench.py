@@ -1,10 +1,11 @@
 """`async-rlhf bench-learner`: learner throughput and where its time goes.
 
 Builds a preset-shaped random-init Llama in-process (no download), feeds the real Learner and
-DeepSpeed backend pre-generated random trajectories from an in-memory queue, warms up, then
-times steps: trained samples/s, response tokens/s, and the share of each step spent waiting,
-recomputing pi_prox, in the train forward, backward, optimizer step and the full-weight
-gather for the weight sync. Several ZeRO stages can be compared in one run. Writes JSON + PNG.
+DeepSpeed backend pre-generated random trajectories from memory (no Redis: this measures learner
+compute; `bench-queue` measures the stream), warms up, then times steps: trained samples/s,
+response tokens/s, and the share of each step spent waiting, recomputing pi_prox, in the train
+forward, backward, optimizer step and the full-weight gather for the weight sync. Several ZeRO
+stages can be compared in one run. Writes JSON + PNG.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def bench_one(args: argparse.Namespace, zero_stage: int) -> dict:
     from async_rlhf.config import LearnerConfig
     from learners.deepspeed_backend import DeepSpeedBackend
     from learners.learner import Learner
-    from learners.memory import PRESETS, FifoReplay, ListQueue, build_llama, random_trajectories
+    from learners.memory import PRESETS, OnceReplay, PreloadedQueue, build_llama, random_trajectories
 
     cfg = LearnerConfig(batch_size=args.batch_size, micro_batch=args.micro_batch, zero_stage=zero_stage,
                         steps=args.warmup + args.steps)
@@ -54,8 +55,8 @@ def bench_one(args: argparse.Namespace, zero_stage: int) -> dict:
     n = cfg.batch_size * cfg.steps
     trajs = random_trajectories(n, vocab=PRESETS[args.preset]["vocab_size"], prompt_len=args.prompt_len,
                                 response_len=args.response_len)
-    queue = ListQueue()
-    learner = Learner(cfg, backend, max_staleness=cfg.steps, queue=queue, replay=FifoReplay(cfg.steps),
+    queue = PreloadedQueue()
+    learner = Learner(cfg, backend, max_staleness=0, queue=queue, replay=OnceReplay(),
                       publisher=_NullPublisher())
     for i in range(cfg.steps):  # stamp each batch with the version that will train it
         queue.put([dataclasses.replace(t, policy_version=i) for t in trajs[i * cfg.batch_size:(i + 1) * cfg.batch_size]])
@@ -63,6 +64,8 @@ def bench_one(args: argparse.Namespace, zero_stage: int) -> dict:
     t0 = time.perf_counter()
     history = learner.train(args.steps)
     wall = time.perf_counter() - t0
+    if dict(queue.acked) != {"trained": n}:  # anything dropped would make the numbers lie
+        raise RuntimeError(f"bench-learner expected {n} trajectories trained, got {dict(queue.acked)}")
     totals = {p: sum(m[f"time_{p}"] for m in history) for p in PHASES}
     samples = sum(m["samples"] for m in history)
     tokens = sum(m["tokens"] for m in history)

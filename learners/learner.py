@@ -259,12 +259,10 @@ class Learner:
 
     def _renew(self, items: list[Received], first_use: list[str]) -> tuple[list[Received], list[str]]:
         """Keep the first-use items this consumer still owns, their reclaim timers reset, so
-        nobody else trains them before our ack (RedisExperienceQueue.renew: exactly-once
-        training). A queue without `renew` (it is not in the ExperienceQueue protocol) owns all."""
-        renew = getattr(self.queue, "renew", None)
-        if renew is None or not first_use:
+        nobody else trains them before our ack (ExperienceQueue.renew: exactly-once training)."""
+        if not first_use:
             return items, first_use
-        owned = set(renew(first_use))
+        owned = set(self.queue.renew(first_use))
         lost = set(first_use) - owned
         if lost:  # reclaimed by another consumer while we waited: theirs now
             self.counters["lost_to_reclaim"] += len(lost)

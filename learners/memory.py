@@ -1,8 +1,9 @@
-"""In-process stand-ins for the stream side, for learner tests and bench-learner.
+"""Learner inputs made in-process, without a download, for learner tests and bench-learner.
 
-`ListQueue` and `FifoReplay` implement the ExperienceQueue / ReplayBuffer protocols in memory
-(the real ones are the Redis stream and buffer.replay, wired by the launcher);
-`random_trajectories` and `build_llama` make inputs without a download.
+`build_llama` builds a random-init model of a preset shape; `random_trajectories` makes scored
+trajectories in groups. `PreloadedQueue` and `OnceReplay` feed them to the learner from memory
+for bench-learner, which measures learner compute alone; tests use the real Redis stream and
+replay buffer instead.
 """
 
 from __future__ import annotations
@@ -64,67 +65,51 @@ def random_trajectories(
     return out
 
 
-class ListQueue:
-    """ExperienceQueue in memory: FIFO delivery, acks counted by reason."""
+class PreloadedQueue:
+    """ExperienceQueue over pre-generated trajectories in memory, for bench-learner only: a
+    benchmark of learner compute, not a test (tests use the real Redis stream). The learner is
+    its one consumer, so every entry it gets stays its own (renew keeps all); acks just count."""
 
-    def __init__(self, trajectories: Sequence[Trajectory] = ()):
-        self._next = 0
+    def __init__(self) -> None:
         self._entries: collections.deque[Received] = collections.deque()
-        self.pending: dict[str, Received] = {}
-        self.acked: dict[str, str] = {}
-        self.counters: collections.Counter[str] = collections.Counter()
-        self.put(trajectories)
+        self._next = 0
+        self.acked: collections.Counter[str] = collections.Counter()  # reason -> count
 
     def put(self, trajectories: Sequence[Trajectory], timeout_s: float | None = None) -> None:
         for t in trajectories:
-            self._entries.append(Received(entry_id=f"{self._next}-0", trajectory=t))
+            self._entries.append(Received(f"{self._next}-0", t))
             self._next += 1
-            self.counters["produced"] += 1
 
     def get(self, count: int, block_ms: int = 1000) -> list[Received]:
-        out = [self._entries.popleft() for _ in range(min(count, len(self._entries)))]
-        self.pending.update((r.entry_id, r) for r in out)
-        return out
+        return [self._entries.popleft() for _ in range(min(count, len(self._entries)))]
 
     def ack(self, entry_ids: Sequence[str], reason: str = "trained") -> None:
-        for e in entry_ids:
-            if self.pending.pop(e, None) is not None:
-                self.acked[e] = reason
-                self.counters[reason] += 1
+        self.acked[reason] += len(entry_ids)
 
     def renew(self, entry_ids: Sequence[str]) -> list[str]:
-        """The ids still pending here (RedisExperienceQueue's ownership check)."""
-        return [e for e in entry_ids if e in self.pending]
+        return list(entry_ids)
 
     def dead_letter(self, reason: str, detail: str, payload: bytes = b"") -> None:
-        self.counters["dead_lettered"] += 1
-        self.counters[reason] += 1
+        raise RuntimeError(f"bench-learner data was set aside ({reason}: {detail})")
 
     def stats(self) -> QueueStats:
-        return QueueStats(len(self._entries), len(self.pending), self.counters["dead_lettered"],
-                          dict(self.counters))
+        return QueueStats(len(self._entries), 0, 0, dict(self.acked))
 
 
-class FifoReplay:
-    """ReplayBuffer in memory: oldest first, each item used once (max_reuse = 1), stale ones
-    evicted with reason "dropped_stale"."""
+class OnceReplay:
+    """ReplayBuffer for bench-learner only: each item handed out once, in arrival order, with no
+    staleness logic (the bench stamps every trajectory with the version that trains it; tests
+    use buffer.replay.StalenessReplay)."""
 
-    def __init__(self, max_staleness: int):
-        self.max_staleness = max_staleness
+    def __init__(self) -> None:
         self._items: collections.deque[Received] = collections.deque()
 
     def add(self, items: Sequence[Received]) -> None:
         self._items.extend(items)
 
     def draw(self, count: int, version: int) -> ReplayDraw:
-        items, dropped = [], []
-        while self._items and len(items) < count:
-            r = self._items.popleft()
-            if version - r.trajectory.policy_version > self.max_staleness:
-                dropped.append((r.entry_id, "dropped_stale"))
-            else:
-                items.append(r)
-        return ReplayDraw(items=items, first_use=[r.entry_id for r in items], dropped=dropped)
+        items = [self._items.popleft() for _ in range(min(count, len(self._items)))]
+        return ReplayDraw(items=items, first_use=[r.entry_id for r in items], dropped=[])
 
     def __len__(self) -> int:
         return len(self._items)

@@ -1,7 +1,9 @@
 """The DeepSpeed learner in separate processes on gloo: data-parallel ranks and kill/resume.
 
 Each test starts real ranks with `python tests/test_learner_dist.py <json>` (the worker at the
-bottom of this file), one process per rank on a free loopback port.
+bottom of this file), one process per rank on a free loopback port. Rank 0 consumes a fresh
+stream on the session's redis-server (its url and the stream name travel in the json) through
+the real RedisExperienceQueue and StalenessReplay.
 """
 
 import json
@@ -10,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -60,15 +63,19 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_rank_weights(tiny_model_dir, tmp_path_factory):
+def one_rank_weights(tiny_model_dir, redis_server, tmp_path_factory):
     out = tmp_path_factory.mktemp("one-rank")
-    assert run_ranks(dict(mode="train", model=tiny_model_dir, out=str(out), zero_stage=0), 1) == [0]
+    spec = dict(mode="train", model=tiny_model_dir, out=str(out), zero_stage=0, redis_url=redis_server.url,
+                stream=f"test-{uuid.uuid4().hex[:12]}")
+    assert run_ranks(spec, 1) == [0]
     return torch.load(out / "weights.pt"), json.loads((out / "metrics.json").read_text())
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_two_ranks_match_one_rank(tiny_model_dir, one_rank_weights, tmp_path, zero_stage):
-    spec = dict(mode="train", model=tiny_model_dir, out=str(tmp_path), zero_stage=zero_stage)
+def test_two_ranks_match_one_rank(tiny_model_dir, one_rank_weights, redis_server, stream_name, tmp_path,
+                                  zero_stage):
+    spec = dict(mode="train", model=tiny_model_dir, out=str(tmp_path), zero_stage=zero_stage,
+                redis_url=redis_server.url, stream=stream_name)
     assert run_ranks(spec, 2) == [0, 0]
     one, one_metrics = one_rank_weights
     two = torch.load(tmp_path / "weights.pt")
@@ -84,15 +91,22 @@ def test_two_ranks_match_one_rank(tiny_model_dir, one_rank_weights, tmp_path, ze
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (k, a, b)
 
 
-def test_checkpoint_kill_resume_keeps_version_and_counters(tiny_model_dir, tmp_path):
-    spec = dict(model=tiny_model_dir, out=str(tmp_path), zero_stage=3, ckpt=str(tmp_path / "ckpt"))
+def test_checkpoint_kill_resume_keeps_version_and_counters(tiny_model_dir, redis_client, redis_server,
+                                                           stream_name, tmp_path):
+    from buffer.redis_stream import RedisExperienceQueue
+
+    spec = dict(model=tiny_model_dir, out=str(tmp_path), zero_stage=3, ckpt=str(tmp_path / "ckpt"),
+                redis_url=redis_server.url, stream=stream_name)
+    stream = RedisExperienceQueue(redis_client, "observer", stream=stream_name)
     # trains v1..v3 (checkpoint after each, the oldest pruned), then is SIGKILLed while
     # publishing v4, before its checkpoint
     assert run_ranks({**spec, "mode": "crash"}, 1) == [-signal.SIGKILL]
     saved = json.loads((tmp_path / "crash.json").read_text())
     assert saved["version"] == 3
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("v*")) == ["v2", "v3"]
-    assert run_ranks({**spec, "mode": "resume"}, 1) == [0]
+    # step 4 acked its batch before the kill: its update is lost, its experience consumed
+    assert stream.stats().counters == {"produced": 32, "trained": 32}
+    assert run_ranks({**spec, "mode": "resume"}, 1) == [0]  # same stream, fresh experience
     resumed = json.loads((tmp_path / "resume.json").read_text())
     assert resumed["resumed_version"] == 3
     assert resumed["resumed_counters"] == saved["counters"]
@@ -100,16 +114,22 @@ def test_checkpoint_kill_resume_keeps_version_and_counters(tiny_model_dir, tmp_p
     assert resumed["version"] == 4
     assert resumed["counters"]["samples"] == saved["counters"]["samples"] + 8
     assert resumed["counters"]["steps"] == 4
+    stats = stream.stats()
+    assert stats.counters == {"produced": 64, "trained": 40} and stats.backlog == 24
 
 
 # ---- worker ----------------------------------------------------------------------------------
 def _worker(spec: dict) -> None:
     import dataclasses
 
+    import redis
+
     from async_rlhf.config import LearnerConfig
+    from buffer.redis_stream import RedisExperienceQueue
+    from buffer.replay import StalenessReplay
     from learners.deepspeed_backend import DeepSpeedBackend
     from learners.learner import Learner
-    from learners.memory import FifoReplay, ListQueue, random_trajectories
+    from learners.memory import random_trajectories
 
     torch.set_num_threads(1)
     out = Path(spec["out"])
@@ -130,8 +150,13 @@ def _worker(spec: dict) -> None:
     start = 3 if mode == "resume" else 0
     trajs = [dataclasses.replace(t, policy_version=start)
              for t in random_trajectories(32, vocab=VOCAB, seed=7 + start)]
-    queue = ListQueue(trajs) if rank0 else None
-    learner = Learner(cfg, backend, max_staleness=4, queue=queue, replay=FifoReplay(4) if rank0 else None,
+    queue = replay = None
+    if rank0:  # the only consumer of the stream (see learners/learner.py)
+        client = redis.Redis.from_url(spec["redis_url"], decode_responses=False)
+        queue = RedisExperienceQueue(client, "learner-0", stream=spec["stream"])
+        queue.put(trajs)
+        replay = StalenessReplay(max_reuse=1, max_staleness=4)
+    learner = Learner(cfg, backend, max_staleness=4, queue=queue, replay=replay,
                       publisher=Publisher() if rank0 else None, ckpt_dir=spec.get("ckpt"))
     if mode == "train":
         initial = backend.full_state_dict()

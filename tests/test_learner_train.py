@@ -1,19 +1,25 @@
-"""The DeepSpeed learner on the tiny model, in this process (one rank, gloo on CPU)."""
+"""The DeepSpeed learner on the tiny model, in this process (one rank, gloo on CPU), fed by the
+real Redis experience stream (a fresh stream per test) and the real staleness replay buffer."""
 
 import dataclasses
 import math
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import redis
 import torch
 
 from async_rlhf.config import LearnerConfig
 from async_rlhf.types import Received
+from buffer.redis_stream import RedisExperienceQueue
+from buffer.replay import StalenessReplay
 from learners.advantages import grpo_advantages
 from learners.deepspeed_backend import DeepSpeedBackend
 from learners.learner import Batch, Learner
 from learners.losses import policy_loss
-from learners.memory import FifoReplay, ListQueue, random_trajectories
+from learners.memory import random_trajectories
 
 VOCAB = 256
 
@@ -36,18 +42,41 @@ class RecordingPublisher:
         self.versions.append(version)
 
 
-def make_learner(model_dir, trajectories=(), max_staleness=2, temperature=1.0, dtype="float32", **overrides):
-    cfg = LearnerConfig(**{"batch_size": 8, "micro_batch": 4, "lr": 3e-3, **overrides})
-    backend = DeepSpeedBackend(cfg, model_dir, temperature=temperature, dtype=dtype)
-    queue, publisher = ListQueue(trajectories), RecordingPublisher()
-    learner = Learner(cfg, backend, max_staleness=max_staleness, queue=queue,
-                      replay=FifoReplay(max_staleness), publisher=publisher)
-    return learner, queue, publisher
+@pytest.fixture
+def make_queue(redis_server, stream_name):
+    """make_queue(consumer, **kwargs): a RedisExperienceQueue on this test's stream."""
+    queues = []
+
+    def make(consumer, **kwargs):
+        client = redis.Redis.from_url(redis_server.url, decode_responses=False)
+        queues.append(RedisExperienceQueue(client, consumer, stream=stream_name, **kwargs))
+        return queues[-1]
+
+    yield make
+    for q in queues:
+        q.close()
 
 
-def test_fixed_batch_objective_decreases_and_metrics_are_complete(tiny_model_dir):
+@pytest.fixture
+def make_learner(tiny_model_dir, make_queue):
+    """make_learner(trajectories, ...): a rank-0 learner whose stream already holds them."""
+
+    def make(trajectories=(), max_staleness=2, temperature=1.0, dtype="float32", **overrides):
+        cfg = LearnerConfig(**{"batch_size": 8, "micro_batch": 4, "lr": 3e-3, **overrides})
+        backend = DeepSpeedBackend(cfg, tiny_model_dir, temperature=temperature, dtype=dtype)
+        queue, publisher = make_queue("learner-0"), RecordingPublisher()
+        queue.put(trajectories)
+        learner = Learner(cfg, backend, max_staleness=max_staleness, queue=queue,
+                          replay=StalenessReplay(max_reuse=cfg.max_reuse, max_staleness=max_staleness),
+                          publisher=publisher)
+        return learner, queue, publisher
+
+    return make
+
+
+def test_fixed_batch_objective_decreases_and_metrics_are_complete(make_learner):
     fixed = random_trajectories(8, vocab=VOCAB, seed=3)
-    learner, queue, publisher = make_learner(tiny_model_dir, temperature=0.7)
+    learner, queue, publisher = make_learner(temperature=0.7)
     be = learner.backend
     batch = Batch.from_received([Received(str(i), t) for i, t in enumerate(fixed)])
     args = (batch.input_ids, batch.attention_mask, batch.positions)
@@ -65,7 +94,7 @@ def test_fixed_batch_objective_decreases_and_metrics_are_complete(tiny_model_dir
             return policy_loss(logp, prox0, batch.behavior_logp, adv, batch.mask, clip_eps=1e3)[0].item()
 
     values = [objective()]
-    for _ in range(4):  # the same batch again each step, stamped fresh so it is not stale
+    for _ in range(4):  # the same batch put again each step, stamped fresh so it is not stale
         queue.put([dataclasses.replace(t, policy_version=learner.version) for t in fixed])
         metrics = learner.step()
         values.append(objective())
@@ -74,7 +103,8 @@ def test_fixed_batch_objective_decreases_and_metrics_are_complete(tiny_model_dir
 
     assert learner.version == 4 and publisher.versions == [1, 2, 3, 4]
     assert set(publisher.weights) == {n for n, _ in be.engine.module.named_parameters()}
-    assert queue.counters["trained"] == 32 and not queue.pending
+    stats = queue.stats()
+    assert stats.counters == {"produced": 32, "trained": 32} and stats.pending == stats.backlog == 0
     for key in ("loss", "loss_policy", "entropy", "clip_frac", "bw_mean", "bw_max", "bw_capped_frac",
                 "grad_norm", "samples", "tokens", "reward_mean", "staleness_hist", "staleness_max",
                 "time_wait", "time_recompute", "time_forward", "time_backward", "time_step", "time_weight_gather",
@@ -84,37 +114,56 @@ def test_fixed_batch_objective_decreases_and_metrics_are_complete(tiny_model_dir
     assert metrics["groups"] == 2 and metrics["groups_singleton"] == 0
 
 
-def test_stale_and_malformed_trajectories_are_acked_with_a_reason_not_trained(tiny_model_dir):
+def test_stale_and_malformed_trajectories_are_acked_with_a_reason_not_trained(make_learner):
     fresh = random_trajectories(8, vocab=VOCAB, version=3, seed=1)
     bad_logp = dataclasses.replace(fresh[0], behavior_logprobs=np.full(8, np.nan, np.float32))
     bad_reward = dataclasses.replace(fresh[1], reward=float("inf"))
     bad_token = dataclasses.replace(fresh[2], response_ids=np.full(8, VOCAB, np.int32))
     stale = random_trajectories(4, vocab=VOCAB, version=1, seed=2)  # 3 - 1 = 2 > k = 1
-    learner, queue, _ = make_learner(tiny_model_dir, stale + [bad_logp, bad_reward, bad_token] + fresh,
-                                     max_staleness=1)
+    learner, queue, _ = make_learner(stale + [bad_logp, bad_reward, bad_token] + fresh, max_staleness=1)
     learner.version = 3
     metrics = learner.step()
-    assert dict(queue.counters) == {"produced": 15, "dropped_stale": 4, "trained": 8,
-                                    "invalid_non_finite_logprob": 1, "invalid_non_finite_reward": 1,
-                                    "invalid_token_id": 1}
-    assert metrics["count_dropped_stale"] == 4 and metrics["staleness_hist"] == {0: 8}
+    # NaN/inf fail validation as the stream decodes them: dead-lettered there, with their reason;
+    # a token id outside the vocabulary is valid on the wire, so the learner acks it
+    stats = queue.stats()
+    assert stats.counters == {"produced": 15, "dropped_stale": 4, "trained": 8, "dead_lettered": 2,
+                              "invalid_token_id": 1}
+    assert stats.pending == stats.backlog == 0
+    assert sorted(d.reason for d in queue.dead_letters()) == ["non_finite_logprob", "non_finite_reward"]
+    assert metrics["count_dropped_stale"] == 4 and metrics["count_invalid_token_id"] == 1
+    assert metrics["staleness_hist"] == {0: 8}
     assert math.isfinite(metrics["loss"])
 
 
-def test_entries_reclaimed_by_another_consumer_are_not_trained(tiny_model_dir):
-    learner, queue, _ = make_learner(tiny_model_dir, random_trajectories(12, vocab=VOCAB))
-    stolen = []
+def test_entries_reclaimed_by_another_consumer_are_not_trained(make_learner, make_queue):
+    trajs = random_trajectories(12, vocab=VOCAB)
+    learner, queue, _ = make_learner(trajs[:7])  # one short of a batch: the learner waits for more
+    other = make_queue("learner-1", claim_idle_ms=50)
 
-    def renew(ids):  # another consumer reclaims the first entry while we collect
-        if not stolen:
-            stolen.append(ids[0])
-            queue.pending.pop(ids[0])
-        return [e for e in ids if e in queue.pending]
+    def reclaim_then_produce():  # another consumer takes over an entry that looks abandoned
+        deadline = time.monotonic() + 30
+        while other.stats().pending < 7:  # the learner holds all 7 and waits for an 8th
+            assert time.monotonic() < deadline, "the learner never read the entries"
+            time.sleep(0.01)
+        stolen = []
+        while not stolen:  # as soon as one has been idle > 50 ms
+            assert time.monotonic() < deadline, "nothing to reclaim"
+            stolen = [r.entry_id for r in other.get(1, block_ms=0)]
+            time.sleep(0.01)
+        other.put(trajs[7:])
+        return stolen[0]
 
-    queue.renew = renew
-    metrics = learner.step()
+    with ThreadPoolExecutor(1) as pool:
+        stolen = pool.submit(reclaim_then_produce)
+        metrics = learner.step()
+        stolen = stolen.result()
     assert metrics["samples"] == 8 and metrics["count_lost_to_reclaim"] == 1
-    assert queue.counters["trained"] == 8 and stolen[0] not in queue.acked
+    stats = queue.stats()
+    assert stats.counters == {"produced": 12, "trained": 8, "reclaimed": 1}  # no ack_lost
+    assert stats.pending == 4 and stats.backlog == 0
+    assert other.renew([stolen]) == [stolen]  # still the other consumer's, never acked
+    held = queue.renew()
+    assert len(held) == 3 and stolen not in held
 
 
 @pytest.mark.parametrize("overrides", [
@@ -123,31 +172,31 @@ def test_entries_reclaimed_by_another_consumer_are_not_trained(tiny_model_dir):
     dict(advantage="rloo", minibatches=2, loss_agg="seq_mean_token_sum", correction="mask",
          correction_level="sequence", ratio_to="behavior"),
 ])
-def test_other_estimators_and_kl_modes_train(tiny_model_dir, overrides):
-    learner, queue, _ = make_learner(tiny_model_dir, random_trajectories(16, vocab=VOCAB), **overrides)
+def test_other_estimators_and_kl_modes_train(make_learner, overrides):
+    learner, queue, _ = make_learner(random_trajectories(16, vocab=VOCAB), **overrides)
     history = learner.train(steps=2)
-    assert learner.version == 2 and queue.counters["trained"] == 16
+    assert learner.version == 2 and queue.stats().counters["trained"] == 16
     for m in history:
         assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
     if overrides["advantage"] == "gae":
         assert "value_loss" in history[-1] and history[-1]["kl"] > 0
 
 
-def test_bf16_zero2_trains(tiny_model_dir):
-    learner, queue, publisher = make_learner(tiny_model_dir, random_trajectories(8, vocab=VOCAB),
+def test_bf16_zero2_trains(make_learner):
+    learner, queue, publisher = make_learner(random_trajectories(8, vocab=VOCAB),
                                              dtype="bfloat16", zero_stage=2)
     metrics = learner.step()
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
     assert publisher.weights["lm_head.weight"].dtype == torch.bfloat16
 
 
-def test_critic_starts_from_the_reward_model(tiny_model_dir, tmp_path):
+def test_critic_starts_from_the_reward_model(tiny_model_dir, make_learner, tmp_path):
     from transformers import AutoConfig, LlamaForSequenceClassification
 
     torch.manual_seed(5)
     reward_model = LlamaForSequenceClassification(AutoConfig.from_pretrained(tiny_model_dir, num_labels=1))
     reward_model.save_pretrained(tmp_path / "rm")
-    learner, _, _ = make_learner(tiny_model_dir, random_trajectories(8, vocab=VOCAB), advantage="gae",
+    learner, _, _ = make_learner(random_trajectories(8, vocab=VOCAB), advantage="gae",
                                  critic_init=str(tmp_path / "rm"))
     critic = learner.backend.critic.module
     assert torch.equal(critic.head.weight, reward_model.score.weight)
@@ -156,10 +205,10 @@ def test_critic_starts_from_the_reward_model(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
-def test_hf_export_round_trips(tiny_model_dir, tmp_path, zero_stage):
+def test_hf_export_round_trips(make_learner, tmp_path, zero_stage):
     from transformers import AutoModelForCausalLM
 
-    learner, _, _ = make_learner(tiny_model_dir, random_trajectories(8, vocab=VOCAB), zero_stage=zero_stage)
+    learner, _, _ = make_learner(random_trajectories(8, vocab=VOCAB), zero_stage=zero_stage)
     learner.step()
     learner.backend.save_pretrained(tmp_path / "hf")
     weights = learner.backend.full_state_dict()
