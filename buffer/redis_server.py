@@ -97,7 +97,8 @@ class EmbeddedRedis:
     ):
         self._owns_dir = data_dir is None
         self._retry_port = port is None  # a free port may be taken before redis binds it
-        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="async-rlhf-redis-"))
+        # absolute: the server runs in this directory and reads `dir` from its config
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="async-rlhf-redis-")).resolve()
         self.port = port or free_port()
         self.password = password or secrets.token_urlsafe(24)
         self.durable = durable

@@ -31,6 +31,13 @@ def test_url_password_and_stop(tmp_path):
     assert not server.running
 
 
+def test_relative_data_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with EmbeddedRedis("runs/job/redis") as server:  # as the launcher passes OUT/redis
+        assert redis.Redis.from_url(server.url).ping()
+    assert (tmp_path / "runs/job/redis/redis.log").exists()
+
+
 def test_owned_temporary_dir_is_removed_on_close():
     server = EmbeddedRedis().start()
     data_dir = server.data_dir
