@@ -65,8 +65,12 @@ class Trajectory:
     generation_s: float = 0.0  # engine seconds for the batch this sample came from
     schema_version: int = SCHEMA_VERSION
 
-    def validate(self) -> None:
-        """Raise TrajectoryError if this trajectory must not be trained on."""
+    def validate(self, *, logprobs: bool = True) -> None:
+        """Raise TrajectoryError if this trajectory must not be trained on.
+
+        logprobs=False skips the per-token log-prob checks (finite, <= 0), for a caller that
+        checks many trajectories' log-probs in one numpy pass (buffer.codec.decode_batch) and
+        calls validate() again on those that fail it, for the reason."""
         if self.schema_version != SCHEMA_VERSION:
             raise TrajectoryError(
                 "schema",
@@ -83,11 +87,13 @@ class Trajectory:
                 f"{len(self.behavior_logprobs)} behaviour log-probs for "
                 f"{len(self.response_ids)} response tokens",
             )
-        # ndarray methods, not np.all/np.any: same result, half the time (the codec runs this
-        # on every entry the learner reads)
-        if not np.isfinite(self.behavior_logprobs).all():
-            raise TrajectoryError("non_finite_logprob", "behaviour log-probs contain NaN or inf")
-        if self.behavior_logprobs.max() > 1e-4:
+        # min and max carry NaN, so one pass each finds NaN, inf and positive log-probs; which
+        # of them it was is worked out only for a bad entry (the codec runs this on every entry
+        # the learner reads)
+        lp = self.behavior_logprobs
+        if logprobs and not (lp.min() > -math.inf and lp.max() <= 1e-4):
+            if not np.isfinite(lp).all():
+                raise TrajectoryError("non_finite_logprob", "behaviour log-probs contain NaN or inf")
             raise TrajectoryError("bad_logprob", "behaviour log-probs must be <= 0")
         if not math.isfinite(self.reward):
             raise TrajectoryError("non_finite_reward", f"reward is {self.reward}")

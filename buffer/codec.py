@@ -10,14 +10,26 @@ Wire format (schema v1), one msgpack map:
      "generated_at": float, "generation_s": float}
 
 Nothing is pickled: a decoder only ever builds numbers, strings and numpy arrays of the
-dtypes listed in `_DTYPES`; decoded arrays are read-only. `decode` raises TrajectoryError with a short reason tag
-("garbage", "missing_field", "field_type", "schema", "array", then whatever
+dtypes listed in `_DTYPES`; decoded arrays are read-only. `decode` raises TrajectoryError with a
+short reason tag ("garbage", "missing_field", "field_type", "schema", "array", then whatever
 `Trajectory.validate` finds) so the queue can dead-letter the entry under that reason.
+
+Two decoders, one contract. The fast one (msgspec into the typed `_Wire` struct below: ~1 us
+instead of ~8 us of msgpack-python plus per-field checks) accepts only well-formed v1 entries
+with 1-D arrays whose byte count matches their shape; anything else it hands to the checked
+decoder, which is the reference: it accepts the same entries and names the reason for the rest.
+tests/test_codec.py checks that the two agree on every malformed input it knows.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
 import msgpack
+import msgspec
 import numpy as np
 
 from async_rlhf.types import SCHEMA_VERSION, Trajectory, TrajectoryError
@@ -27,6 +39,8 @@ _DTYPES = {
     name: np.dtype(name).newbyteorder("<")
     for name in ("int32", "int64", "uint32", "float16", "float32", "float64")
 }
+_IdDtype = Literal["int32", "int64", "uint32"]
+_FloatDtype = Literal["float16", "float32", "float64"]
 _ARRAYS = {  # field -> numpy kinds it may hold
     "prompt_ids": "iu",
     "response_ids": "iu",
@@ -45,39 +59,126 @@ _SCALARS: dict[str, frozenset[type]] = {
 _FIELDS = frozenset(_ARRAYS) | frozenset(_SCALARS) | {"reward_parts", "schema_version"}
 
 
-# dtype -> its name, for the native and both explicit byte orders (a dict lookup is ~10x faster
-# than dtype.name, which matters at ~5 us per trajectory)
-_NAMES = {d: name for name, le in _DTYPES.items() for d in (le, le.newbyteorder(">"), np.dtype(name))}
+# The wire map as msgspec structs, fields in wire order. msgspec checks exact types as the
+# checked decoder does (bool is not a number, float is not an int, str is not bytes), turns
+# ints into floats where a float is declared, and refuses missing and unknown fields. gc=False:
+# they hold no references that could form a cycle, so the collector need not track them.
+class _Ids(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    dtype: _IdDtype
+    shape: list[Annotated[int, msgspec.Meta(ge=0)]]
+    data: bytes
 
 
-def _pack_array(arr: np.ndarray) -> dict:
-    name = _NAMES.get(arr.dtype)
+class _Floats(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    dtype: _FloatDtype
+    shape: list[Annotated[int, msgspec.Meta(ge=0)]]
+    data: bytes
+
+
+class _Wire(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    schema_version: int
+    prompt_ids: _Ids
+    response_ids: _Ids
+    behavior_logprobs: _Floats
+    reward: float
+    reward_parts: dict[str, float]
+    policy_version: int
+    generator_id: str
+    group_id: str
+    finished: bool
+    generated_at: float
+    generation_s: float
+
+
+assert set(_Wire.__struct_fields__) == _FIELDS
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(_Wire)
+
+# dtype -> (its name, whether its bytes need swapping to little-endian), for the native and
+# both explicit byte orders (a dict lookup is ~10x faster than dtype.name and .byteorder).
+_NAMES = {
+    d: (name, not (d.byteorder == "<" or (d.byteorder == "=" and np.little_endian)))
+    for name, le in _DTYPES.items() for d in (le, le.newbyteorder(">"), np.dtype(name))
+}
+
+
+def _pack_array(arr: np.ndarray, struct: type[_Ids] | type[_Floats]) -> _Ids | _Floats:
+    name, swap = _NAMES.get(arr.dtype, (None, False))
     if name is None:
         raise TrajectoryError("array", f"dtype {arr.dtype} cannot be encoded; use one of {sorted(_DTYPES)}")
-    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not np.little_endian):
+    if swap:
         arr = arr.astype(_DTYPES[name])
-    return {"dtype": name, "shape": list(arr.shape), "data": arr.tobytes()}
+    # msgspec writes any contiguous buffer as msgpack bin, so the array goes out without a
+    # tobytes() copy. (It does not check the dtype against the struct's Literal on encode; the
+    # decoder does.)
+    return struct(name, list(arr.shape), memoryview(np.ascontiguousarray(arr)))
 
 
 def encode(traj: Trajectory) -> bytes:
     """The msgpack bytes of `traj` (not validated here: the consumer validates)."""
-    return msgpack.packb(
-        {
-            "schema_version": traj.schema_version,
-            "prompt_ids": _pack_array(traj.prompt_ids),
-            "response_ids": _pack_array(traj.response_ids),
-            "behavior_logprobs": _pack_array(traj.behavior_logprobs),
-            "reward": float(traj.reward),
-            "reward_parts": {str(k): float(v) for k, v in traj.reward_parts.items()},
-            "policy_version": int(traj.policy_version),
-            "generator_id": traj.generator_id,
-            "group_id": traj.group_id,
-            "finished": bool(traj.finished),
-            "generated_at": float(traj.generated_at),
-            "generation_s": float(traj.generation_s),
-        },
-        use_bin_type=True,
+    return _ENCODER.encode(
+        _Wire(
+            schema_version=traj.schema_version,
+            prompt_ids=_pack_array(traj.prompt_ids, _Ids),
+            response_ids=_pack_array(traj.response_ids, _Ids),
+            behavior_logprobs=_pack_array(traj.behavior_logprobs, _Floats),
+            reward=float(traj.reward),
+            reward_parts={str(k): float(v) for k, v in traj.reward_parts.items()},
+            policy_version=int(traj.policy_version),
+            generator_id=traj.generator_id,
+            group_id=traj.group_id,
+            finished=bool(traj.finished),
+            generated_at=float(traj.generated_at),
+            generation_s=float(traj.generation_s),
+        )
     )
+
+
+# Trajectory is a frozen dataclass: its __init__ sets each of its 12 fields through
+# object.__setattr__ (~1.3 us). Decoded fields are already exactly typed, so the decoder fills
+# the instance dict directly (~0.2 us); this holds only while Trajectory has no __post_init__,
+# no __slots__ and no field that the decoder does not set, which these lines check at import.
+_TRAJECTORY_FIELDS = frozenset(f.name for f in dataclasses.fields(Trajectory))
+assert _TRAJECTORY_FIELDS == _FIELDS and not hasattr(Trajectory, "__post_init__")
+assert "__dict__" in dir(Trajectory) and not hasattr(Trajectory, "__slots__")
+
+
+def _trajectory(fields: dict) -> Trajectory:
+    traj = object.__new__(Trajectory)
+    traj.__dict__.update(fields)
+    return traj
+
+
+def _fast_array(arr: _Ids | _Floats) -> np.ndarray | None:
+    """The 1-D array `arr` holds, read-only; None if it is anything else."""
+    dtype = _DTYPES[arr.dtype]
+    shape, data = arr.shape, arr.data
+    if len(shape) != 1 or len(data) != shape[0] * dtype.itemsize:
+        return None
+    return np.frombuffer(data, dtype=dtype)
+
+
+def _decode_fast(data: bytes) -> Trajectory | None:
+    """The common case, fast: a well-formed v1 entry with 1-D arrays; None for anything else."""
+    try:
+        w = _DECODER.decode(data)
+    except msgspec.DecodeError:  # also msgspec.ValidationError, its subclass
+        return None
+    if w.schema_version != SCHEMA_VERSION:
+        return None
+    prompt_ids = _fast_array(w.prompt_ids)
+    response_ids = _fast_array(w.response_ids)
+    behavior_logprobs = _fast_array(w.behavior_logprobs)
+    if prompt_ids is None or response_ids is None or behavior_logprobs is None:
+        return None
+    return _trajectory({
+        "prompt_ids": prompt_ids, "response_ids": response_ids,
+        "behavior_logprobs": behavior_logprobs, "reward": w.reward,
+        "reward_parts": w.reward_parts, "policy_version": w.policy_version,
+        "generator_id": w.generator_id, "group_id": w.group_id, "finished": w.finished,
+        "generated_at": w.generated_at, "generation_s": w.generation_s,
+        "schema_version": w.schema_version,
+    })
 
 
 def _unpack_array(field: str, obj: object) -> np.ndarray:
@@ -102,15 +203,16 @@ def _unpack_array(field: str, obj: object) -> np.ndarray:
             "array", f"{field} holds {len(data)} bytes but dtype {dtype_name} x shape {shape} "
             f"needs {size * dtype.itemsize}"
         )
-    # A read-only view of the bytes msgpack just allocated: no second copy (~5 us per trajectory
-    # at the learner), and the frozen trajectory's arrays cannot be changed by accident. Copy
-    # (`.astype(...)`, `torch.tensor`) before writing; torch.from_numpy warns on it as is.
+    # A read-only view of the bytes msgpack just allocated: no second copy, and the frozen
+    # trajectory's arrays cannot be changed by accident. Copy (`.astype(...)`, `torch.tensor`)
+    # before writing; torch.from_numpy warns on it as is.
     arr = np.frombuffer(data, dtype=dtype)
     return arr if len(shape) == 1 else arr.reshape(shape)
 
 
-def decode(data: bytes) -> Trajectory:
-    """The trajectory in `data`, checked; raises TrajectoryError(reason, detail) otherwise."""
+def _decode_checked(data: bytes) -> Trajectory:
+    """The reference decoder (msgpack-python, every field checked): the trajectory in `data`,
+    not yet validated; raises TrajectoryError(reason, detail) for what it cannot be."""
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several types (ExtraData, FormatError, ValueError...)
@@ -140,7 +242,7 @@ def decode(data: bytes) -> Trajectory:
         type(k) is str and type(v) in _NUMBER for k, v in parts.items()
     ):
         raise TrajectoryError("field_type", f"reward_parts must map names to numbers, got {parts!r}")
-    traj = Trajectory(
+    return Trajectory(
         prompt_ids=_unpack_array("prompt_ids", obj["prompt_ids"]),
         response_ids=_unpack_array("response_ids", obj["response_ids"]),
         behavior_logprobs=_unpack_array("behavior_logprobs", obj["behavior_logprobs"]),
@@ -154,5 +256,52 @@ def decode(data: bytes) -> Trajectory:
         generation_s=float(obj["generation_s"]),
         schema_version=version,
     )
+
+
+def _decode_unvalidated(data: bytes) -> Trajectory:
+    # Either way the arrays view fresh bytes objects the decoder made, never `data` itself.
+    return _decode_fast(data) or _decode_checked(data)
+
+
+def decode(data: bytes) -> Trajectory:
+    """The trajectory in `data`, checked; raises TrajectoryError(reason, detail) otherwise."""
+    traj = _decode_unvalidated(data)
     traj.validate()
     return traj
+
+
+def _error_of(traj: Trajectory) -> TrajectoryError | None:
+    try:
+        traj.validate()
+    except TrajectoryError as e:
+        return e
+    return None
+
+
+def decode_batch(payloads: Sequence[bytes]) -> list[Trajectory | TrajectoryError]:
+    """[decode(p) for p in payloads], with a TrajectoryError in place of each trajectory that
+    decode would refuse. The log-probs of the batch are checked in one numpy pass over their
+    concatenation (~0.4 us a trajectory instead of ~1.8); only if that pass finds something
+    wrong are the trajectories validated one by one, so each error is the one decode raises."""
+    out: list[Trajectory | TrajectoryError] = []
+    logprobs = []
+    for data in payloads:
+        try:
+            traj = _decode_unvalidated(data)
+        except TrajectoryError as e:
+            out.append(e)
+            continue
+        try:
+            traj.validate(logprobs=False)
+        except TrajectoryError:  # a full validate() may stop at an earlier check: its reason
+            out.append(_error_of(traj))
+            continue
+        out.append(traj)
+        logprobs.append(traj.behavior_logprobs)
+    if logprobs:
+        # Concatenating float16/32/64 is exact, and a comparison in the wider type only ever
+        # fails more (float16(1e-4) > 1e-4): a false alarm just costs the slow pass below.
+        flat = np.concatenate(logprobs)
+        if not (flat.min() > -math.inf and flat.max() <= 1e-4):
+            out = [r if type(r) is not Trajectory else (_error_of(r) or r) for r in out]
+    return out

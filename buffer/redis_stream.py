@@ -39,7 +39,7 @@ import redis
 from async_rlhf.config import QueueConfig
 from async_rlhf.protocols import QueueStats
 from async_rlhf.types import Received, Trajectory, TrajectoryError
-from buffer.codec import decode, encode
+from buffer.codec import decode_batch, encode
 
 log = logging.getLogger(__name__)
 
@@ -273,14 +273,14 @@ class RedisExperienceQueue:
             if isinstance(reply, dict):  # RESP3 client: {stream: [entries]}
                 reply = [[k, v[0]] for k, v in reply.items()]
             entries = [(i, f.get(FIELD, b"")) for i, f in reply[0][1]] if reply else []
+        payloads = [data for _, data in entries]
         out, bad = [], []
-        for raw_id, data in entries:
-            entry_id = raw_id.decode()
-            try:
-                out.append(Received(entry_id, decode(data)))
-            except TrajectoryError as e:
-                bad.append((entry_id, e, data))
-        self._held.update(r.entry_id for r in out)
+        for (raw_id, data), traj in zip(entries, decode_batch(payloads)):
+            if type(traj) is Trajectory:
+                out.append(Received(raw_id.decode(), traj))
+            else:
+                bad.append((raw_id.decode(), traj, data))
+        self._held.update([r.entry_id for r in out])
         if bad:
             self._dead_letter(bad)
         return out

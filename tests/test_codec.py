@@ -164,3 +164,111 @@ def test_validation_runs_after_decoding(traj, reason):
 def test_encode_refuses_unsupported_dtypes():
     with pytest.raises(TrajectoryError, match="cannot be encoded"):
         encode(make_traj(prompt_ids=np.array(["a"], dtype=object)))
+
+
+def test_wire_bytes_are_what_msgpack_python_writes_for_the_documented_map():
+    traj = make_traj()
+    arr = lambda a: {"dtype": a.dtype.name, "shape": list(a.shape), "data": a.tobytes()}  # noqa: E731
+    documented = {
+        "schema_version": 1, "prompt_ids": arr(traj.prompt_ids),
+        "response_ids": arr(traj.response_ids), "behavior_logprobs": arr(traj.behavior_logprobs),
+        "reward": 0.75, "reward_parts": {"correct": 1.0, "length": -0.25}, "policy_version": 7,
+        "generator_id": "gen-3", "group_id": "prompt-42", "finished": False,
+        "generated_at": 1_796_000_000.123456, "generation_s": 0.0625,
+    }
+    assert encode(traj) == msgpack.packb(documented, use_bin_type=True)
+
+
+def test_decoded_trajectory_has_every_dataclass_field():
+    import dataclasses
+
+    back = decode(encode(make_traj()))
+    assert vars(back).keys() == {f.name for f in dataclasses.fields(Trajectory)}
+    assert back == dataclasses.replace(back)  # the constructor accepts what the decoder built
+
+
+def outcome(fn, data):
+    """A comparable summary of decoding `data`: the error reason, or the decoded fields."""
+    try:
+        traj = fn(data)
+        traj.validate()
+    except TrajectoryError as e:
+        return ("error", e.reason)
+    return ("ok", encode(traj), tuple(type(getattr(traj, f)) for f in sorted(vars(traj))))
+
+
+EDGE_CASES = [
+    encode(make_traj()),
+    encode(make_traj(prompt_ids=np.zeros((2, 2), np.int32))),  # 2-D: decodes, validate refuses
+    encode(make_traj(behavior_logprobs=np.array([-1, -1, -1, -1], np.float16))),
+    reencoded(make_traj(), reward=True),
+    reencoded(make_traj(), reward=2),  # an int reward is a number
+    reencoded(make_traj(), generated_at=3),
+    reencoded(make_traj(), policy_version=1.0),
+    reencoded(make_traj(), policy_version=2**64 - 1),
+    reencoded(make_traj(), generator_id=b"gen"),
+    reencoded(make_traj(), reward_parts={"a": 1, "b": 2.5}),
+    reencoded(make_traj(), reward_parts={"a": False}),
+    reencoded(make_traj(), reward_parts={}),
+    reencoded(make_traj(), response_ids={"dtype": "int32", "shape": [4], "data": "abcdefghijklmnop"}),
+    reencoded(make_traj(), response_ids={"dtype": "int32", "shape": (2, 2), "data": b"\0" * 16}),
+    reencoded(make_traj(), response_ids={"dtype": "int32", "shape": [4], "data": b"\0" * 16, "x": 1}),
+    reencoded(make_traj(), behavior_logprobs={"dtype": "int32", "shape": [4], "data": b"\0" * 16}),
+    reencoded(make_traj(), prompt_ids={"dtype": "float64", "shape": [1], "data": b"\0" * 8}),
+    reencoded(make_traj(), prompt_ids={"dtype": "int32", "shape": [True], "data": b"\0" * 4}),
+    reencoded(make_traj(), schema_version=1.0),
+    encode(make_traj())[:-1],
+    encode(make_traj()) + b"\x00",
+    msgpack.packb({**msgpack.unpackb(encode(make_traj())), 1: 2}, use_bin_type=True),
+    # a repeated key: both decoders keep the last value
+    b"\x8d\xa6reward\xc3" + encode(make_traj())[1:],
+]
+
+
+@pytest.mark.parametrize("data", EDGE_CASES + [b"\xc1", b"\x80", msgpack.packb(None)])
+def test_fast_decoder_agrees_with_the_checked_one(data):
+    from buffer import codec
+
+    assert outcome(codec.decode, data) == outcome(codec._decode_checked, data)
+    for buffer_type in (bytearray, memoryview):
+        assert outcome(codec.decode, buffer_type(data)) == outcome(codec._decode_checked, data)
+
+
+def test_decoded_arrays_do_not_share_a_mutable_input_buffer():
+    data = bytearray(encode(make_traj()))
+    back = decode(data)
+    data[:] = b"\0" * len(data)
+    assert back.response_ids.tolist() == [8, 9, 10, 2**31 - 1]
+    assert not back.behavior_logprobs.flags.writeable
+
+
+def test_decode_batch_is_decode_of_each():
+    from buffer.codec import decode_batch
+
+    good = [make_traj(policy_version=i) for i in range(3)]
+    batch = [
+        encode(good[0]),
+        b"\xc1",
+        encode(make_traj(behavior_logprobs=np.array([-1, np.nan, -1, -1], np.float32))),
+        encode(good[1]),
+        # validate() finds the NaN log-prob before the NaN reward: so must the batch
+        encode(make_traj(reward=math.nan, behavior_logprobs=np.array([0.5, -1, -1, -1], np.float32))),
+        encode(make_traj(reward=math.nan)),
+        # float16(1e-4) > 1e-4 in float32, yet <= 1e-4 as validate() compares it: kept
+        encode(make_traj(behavior_logprobs=np.array([1e-4, -1, -1, -1], np.float16))),
+        encode(good[2]),
+    ]
+    got = decode_batch(batch)
+    assert len(got) == len(batch)
+    for data, result in zip(batch, got):
+        assert outcome(lambda _: result if isinstance(result, Trajectory) else _raise(result), data) \
+            == outcome(decode, data)
+    assert [type(r).__name__ for r in got] == ["Trajectory", "TrajectoryError", "TrajectoryError",
+                                               "Trajectory", "TrajectoryError", "TrajectoryError",
+                                               "Trajectory", "Trajectory"]
+    assert decode_batch([]) == []
+    assert [r.policy_version for r in decode_batch([encode(t) for t in good])] == [0, 1, 2]
+
+
+def _raise(error):
+    raise error
