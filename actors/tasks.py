@@ -7,8 +7,12 @@ default reward `actors.tasks:score` needs nothing but the prompt and the respons
            answer is "aaaaaaaa", so exact-match evaluation also works). Not
            prompt-conditioned: it only asks the policy to favour one token, so it rises within a
            few dozen learner steps (a random-init tiny model starts near 0.05 with 16 new tokens).
-  echo     prompt-conditioned, medium. "echo 7=" -> reward = min(number of 7s in the response,
-           8) / 8: the count task with the digit named in the prompt (ten classes to learn).
+  echo     prompt-conditioned. "echo 3=" -> reward = min(number of 3s in the response, 8) / 8:
+           the count task with the digit (1-4) named in the prompt. A policy that ignores the
+           prompt scores at most 0.5, so a reward above it shows the prompt is being read. Seen
+           on the tiny model with configs/demo.yaml and learner.steps=300 (lr 1e-3), two runs:
+           0.19 at step 20 -> 0.78 at 120 -> 0.64 at 300 (noisy), and 0.22 -> 0.91 at 200 ->
+           0.99 at 300. With all ten digits it plateaued near 0.2 in 300 steps.
   copy     prompt-conditioned, hard. "copy 3142=" -> "3142": 0.8 x the fraction of the answer's digits
            found at their position + 0.2 if the response has the answer's length (1.0 iff equal);
            partial credit guides learning, which needs a few hundred steps.
@@ -64,7 +68,7 @@ def _make_count(rng: random.Random) -> tuple[str, str]:
 
 
 def _make_echo(rng: random.Random) -> tuple[str, str]:
-    digit = rng.choice("0123456789")
+    digit = rng.choice("1234")
     return f"echo {digit}=", digit
 
 

@@ -132,7 +132,10 @@ class GeneratorConfig(_Section):
     def _validate(self) -> None:
         self._positive("count", "prompts_per_batch", "group_size", "max_new_tokens", "threads")
         self._positive("temperature", "tensor_parallel")
-        _check(0 < self.top_p <= 1, "generator.top_p", self.top_p, "in (0, 1]")
+        # The learner recomputes log-probs over the whole vocabulary; nucleus sampling would
+        # make every behaviour weight pi_prox / pi_behaviour biased below 1.
+        _check(self.top_p == 1.0, "generator.top_p", self.top_p,
+               "1.0 for training (nucleus sampling biases the importance weights)")
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,7 @@ class LearnerConfig(_Section):
     batch_size: int = 32  # trajectories per optimizer step
     micro_batch: int = 8
     ranks: int = 1
+    threads: int = 1  # torch CPU threads per rank; its Ray actor reserves as many CPUs
     zero_stage: Literal[0, 1, 2, 3] = 0
     lr: float = 1e-4
     weight_decay: float = 0.0
@@ -184,7 +188,7 @@ class LearnerConfig(_Section):
     wait_s: float = 60.0  # a step fails if the stream delivers nothing usable for this long
 
     def _validate(self) -> None:
-        self._positive("steps", "batch_size", "micro_batch", "ranks", "lr", "clip_eps", "is_cap")
+        self._positive("steps", "batch_size", "micro_batch", "ranks", "threads", "lr", "clip_eps", "is_cap")
         self._positive("max_reuse", "minibatches", "critic_lr", "wait_s")
         per_step = self.micro_batch * self.ranks * self.minibatches
         _check(

@@ -27,13 +27,14 @@ def _coordinator(job: str):
 def status(job: str) -> dict[str, Any]:
     import ray
 
-    from async_rlhf.launcher import accounting
     from async_rlhf.config import load_config
+    from async_rlhf.launcher import accounting
+    from buffer.redis_stream import RedisExperienceQueue
 
     info, coordinator = _coordinator(job)
     snap = ray.get(coordinator.get_snapshot.remote())
     cfg = load_config(f"{info['out']}/config.yaml")
-    queue = accounting(cfg, info["redis_url"])
+    queue = accounting(RedisExperienceQueue.from_config(cfg.queue, info["redis_url"], consumer="status"))
     return {"job": job, "learner": snap.get("learner", {}), "generators": snap.get("generators", []),
             "gate": snap["gate"], "queue": {"redis_url": info["redis_url"], "stream": cfg.queue.stream,
                                             **queue}}

@@ -26,6 +26,7 @@ import yaml
 
 from async_rlhf.cli import add_config_arguments, config_from_args
 from async_rlhf.config import Config
+from buffer.redis_stream import RedisExperienceQueue
 
 log = logging.getLogger("async_rlhf")
 
@@ -55,9 +56,12 @@ class Job:
         self.generators: dict[str, Any] = {}  # generator id -> actor handle
         self.next_index = 0
         self.gen_stats: dict[str, dict] = {}
-        self.forgotten = 0  # dropped samples already returned to the gate
+        self.forgotten = 0  # samples gone untrained whose gate slots were already returned
         self.last_tick = 0.0
-
+        self.starting: dict[str, tuple[Any, Any]] = {}  # generator id -> (handle, ready ref)
+        self.sync_failures = 0
+        self.last_metrics: dict[str, Any] = {}
+        self.error = ""
     # -- setup and teardown ----------------------------------------------------------------
     def run(self) -> int:
         from actors.model_init import ensure_model
@@ -68,23 +72,41 @@ class Job:
         (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         print(f"async-rlhf: job {cfg.job!r}, max_staleness={cfg.max_staleness}, out={self.out}")
         ensure_model(cfg.model.path, cfg.model.preset, seed=cfg.seed)
-        signal.signal(signal.SIGTERM, _interrupt)
         with ExitStack() as stack:
             if cfg.queue.redis_url:
                 self.redis_url = cfg.queue.redis_url
             else:
                 redis = stack.enter_context(EmbeddedRedis(self.out / "redis", durable=cfg.queue.durable))
                 self.redis_url = redis.url
+            self.queue = RedisExperienceQueue.from_config(cfg.queue, self.redis_url, consumer="driver")
+            self._check_fresh_stream()
             self._start_ray()
             stack.callback(self._shutdown_ray)
-            self._start_actors()
+            signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which sets its own
+            self.start_time = time.time()
             try:
+                self._start_actors()
                 code = self._loop()
             except KeyboardInterrupt:
-                print("\ninterrupted: stopping generators, checkpointing the learner", file=sys.stderr)
+                print("\ninterrupted: checkpointing the learner, stopping generators", file=sys.stderr)
                 code = 130
+            except Exception as e:  # noqa: BLE001 - still stop cleanly and account for everything
+                self.error = f"{type(e).__name__}: {e}".strip()
+                log.error("job failed: %s", self.error)
+                code = 1
             self._finish()
             return code
+
+    def _check_fresh_stream(self) -> None:
+        """A new job must not train on (or count) another run's trajectories."""
+        produced = self.queue.stats().counters.get("produced", 0)
+        if produced and not self.resume:
+            raise SystemExit(
+                f"the experience stream {self.cfg.queue.stream!r} at "
+                f"{self.redis_url.split('@')[-1]} already holds {produced} trajectories from an "
+                "earlier run: pass --resume to continue it, or set queue.stream=<new name> "
+                "(or use a fresh --out with the embedded Redis)")
+        self.forgotten = _not_trained(self.queue.stats().counters)
 
     def _start_ray(self) -> None:
         import ray
@@ -93,7 +115,8 @@ class Job:
 
         self.ray, self.cluster = ray, None
         if not self.ray_address:
-            needed = self.cfg.learner.ranks + self.cfg.generator.count * self.cfg.generator.threads
+            learner, gen = self.cfg.learner, self.cfg.generator
+            needed = learner.ranks * learner.threads + gen.count * gen.threads
             self.cluster = cluster.start_local_cluster(num_cpus=needed)
         try:
             cluster.connect(self.ray_address or self.cluster.address, namespace=self.cfg.job)
@@ -120,7 +143,8 @@ class Job:
 
         ray, cfg = self.ray, self.cfg
         # max_concurrency 2: open_epoch runs while a step waits for the samples it will bring
-        worker = ray.remote(LearnerWorker).options(num_cpus=1, max_concurrency=2)
+        worker = ray.remote(LearnerWorker).options(num_cpus=cfg.learner.threads, max_concurrency=2,
+                                                   num_gpus=1 if _has_gpu() else 0)
         master = ("127.0.0.1", free_port())
         self.learners = [worker.remote(cfg, rank, master, self.redis_url, self.resume)
                          for rank in range(cfg.learner.ranks)]
@@ -138,10 +162,31 @@ class Job:
                    "name": f"gen-{index}"}
         if resources:
             options["resources"] = resources
+        if _has_gpu():
+            options["num_gpus"] = self.cfg.generator.tensor_parallel
         handle = self.ray.remote(GeneratorWorker).options(**options).remote(
             self.cfg, index, self.redis_url, self.coordinator)
-        self.generators[f"gen-{index}"] = handle
+        self.starting[f"gen-{index}"] = (handle, handle.__ray_ready__.remote())
         print(f"generator gen-{index} starting{' on ' + json.dumps(resources) if resources else ''}")
+
+    def _wait_for_generators(self, timeout_s: float = 0.0) -> None:
+        """Move generators whose engine is up into the job (they join the next epoch); report
+        those whose start failed. A generator that cannot be placed yet stays pending."""
+        ray = self.ray
+        refs = {ref: gid for gid, (_, ref) in self.starting.items()}
+        ready = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)[0] if refs else []
+        for ref in ready:
+            gid = refs[ref]
+            handle, _ = self.starting.pop(gid)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as e:
+                print(f"generator {gid} failed to start: {e}", file=sys.stderr)
+                continue
+            self.generators[gid] = handle
+            print(f"generator {gid} ready")
+        if not self.generators and not self.starting:
+            raise RuntimeError("no generator could start (see the errors above)")
 
     def _new_epoch(self) -> None:
         """Form a weight-sync group of the learner and the live generators. It forms in the
@@ -158,14 +203,16 @@ class Job:
 
         ray, cfg = self.ray, self.cfg
         self.tb = SummaryWriter(str(self.out / "tensorboard"))
-        self.start_time = time.time()
+        self._wait_for_generators(timeout_s=600)  # first engines up (model load, vLLM start)
         metrics_file = (self.out / "metrics.jsonl").open("a")
         version = self.start_version
         self._new_epoch()
         while version < cfg.learner.steps:
             step_start = time.perf_counter()
             refs = [l.step.remote() for l in self.learners]
-            while len(ray.wait(refs, num_returns=len(refs), timeout=TICK_S)[0]) < len(refs):
+            while len(ready := ray.wait(refs, num_returns=len(refs), timeout=TICK_S)[0]) < len(refs):
+                for ref in ready:  # a rank that failed: raise now, not after the others' timeout
+                    ray.get(ref)
                 self._tick()
             if time.monotonic() - self.last_tick >= TICK_S:  # fast steps: still watch each second
                 self._tick()
@@ -185,6 +232,7 @@ class Job:
         members = set(self.generators)
         for request in ray.get(self.coordinator.take_requests.remote()):
             self._add_generator(request["resources"])
+        self._wait_for_generators()
         refs = {gid: h.stats.remote() for gid, h in self.generators.items()}
         for gid, ref in refs.items():
             try:
@@ -195,31 +243,39 @@ class Job:
             if error := self.gen_stats[gid]["error"]:
                 log.error("generator %s failed:\n%s", gid, error)
                 self._lose_generator(gid, error.strip().splitlines()[-1])
-        if set(self.generators) != members:
+        failures = self.last_metrics.get("weight_sync_failures", 0)
+        if set(self.generators) != members or failures > self.sync_failures:
+            self.sync_failures = failures  # a group that did not form or broke: form a new one
             self._new_epoch()
         ray.get(self.coordinator.set_snapshot.remote(self._snapshot()))
 
     def _lose_generator(self, gid: str, why: str) -> None:
         ray = self.ray
         handle = self.generators.pop(gid)
+        ray.kill(handle)  # first: a half-alive generator must not finish a batch after release
         freed = ray.get(self.coordinator.release.remote(gid))
-        ray.kill(handle)
         print(f"generator {gid} lost ({why}); {freed} admitted samples released", file=sys.stderr)
 
     def _record(self, m: dict[str, Any], step_s: float, metrics_file) -> None:
         ray = self.ray
-        dropped = sum(v for k, v in m.items() if k.startswith("count_") and
-                      (k.endswith("dropped_stale") or k.startswith("count_invalid_")))
-        if dropped > self.forgotten:  # dropped samples give their gate slots back
-            ray.get(self.coordinator.forget.remote(dropped - self.forgotten))
-            self.forgotten = dropped
+        self.last_metrics = m
+        gone = _not_trained(self.queue.stats().counters)  # stale, malformed, dead-lettered
+        if gone > self.forgotten:  # they give their gate slots back
+            ray.get(self.coordinator.forget.remote(gone - self.forgotten))
+            self.forgotten = gone
         elapsed = time.time() - self.start_time
         tokens_per_s = sum(s.get("tokens_per_s", 0.0) for s in self.gen_stats.values())
+        # generator totals since start (as of the last tick), summed over generators: `bench`
+        # takes differences over its timed window for idle fractions and generated tokens/s
+        gen_totals = {k: sum(s.get(k, 0.0) for s in self.gen_stats.values())
+                      for k in ("tokens", "produced", "generate_s", "score_s", "put_s", "idle_s",
+                                "weight_update_s")}
         row = {
             "step": m["version"], "policy_version": m["version"], "time": round(elapsed, 3),
             "step_s": step_s, "samples_per_s": m["samples"] / step_s if step_s else 0.0,
             "weight_sync_share": m.get("weight_sync_s", 0.0) / step_s if step_s else 0.0,
-            "gen_tokens_per_s": tokens_per_s, "generators": len(self.generators), **m,
+            "gen_tokens_per_s": tokens_per_s, "gen_totals": gen_totals,
+            "generators": len(self.generators), **m,
         }
         metrics_file.write(json.dumps(row, default=float) + "\n")
         metrics_file.flush()
@@ -233,48 +289,74 @@ class Job:
               f"t {elapsed:.0f}s", flush=True)
 
     def _snapshot(self) -> dict[str, Any]:
-        return {"generators": list(self.gen_stats.values()), "redis_url": self.redis_url,
-                "out": str(self.out), "job": self.cfg.job}
+        m = self.last_metrics
+        learner = {"step": m.get("version", self.start_version), "policy_version": m.get("version", self.start_version),
+                   "reward_mean": m.get("reward_mean"), "of_steps": self.cfg.learner.steps}
+        return {"generators": list(self.gen_stats.values()), "learner": learner,
+                "redis_url": self.redis_url, "out": str(self.out), "job": self.cfg.job}
 
     # -- the end ---------------------------------------------------------------------------
     def _finish(self) -> None:
         """Stop generators, checkpoint and export the policy, and account for every trajectory."""
         ray = self.ray
-        for gid, handle in self.generators.items():
+        try:  # first: a step in flight completes with the generators still feeding it
+            export = ray.get([l.finish.remote() for l in getattr(self, "learners", [])], timeout=600)
+            print(f"policy exported to {export[0]}" if export else "no learner to checkpoint")
+        except Exception as e:  # noqa: BLE001 - a failed learner must not block the summary
+            log.error("learner checkpoint failed: %s", e)
+            for learner in self.learners:
+                ray.kill(learner)
+        for gid, handle in {**self.generators, **{g: h for g, (h, _) in self.starting.items()}}.items():
             try:
                 self.gen_stats[gid] = ray.get(handle.stop.remote(), timeout=120)
             except Exception as e:  # noqa: BLE001 - a dead generator must not block the summary
                 log.warning("stopping %s: %s", gid, e)
-        try:
-            export = ray.get([l.finish.remote() for l in self.learners])[0]
-            print(f"policy exported to {export}")
-        except Exception as e:  # noqa: BLE001
-            log.error("learner checkpoint failed: %s", e)
-        summary = accounting(self.cfg, self.redis_url)
+        summary = accounting(self.queue)
         summary["generators"] = list(self.gen_stats.values())
         summary["wall_s"] = time.time() - self.start_time
+        if self.error:
+            summary["error"] = self.error
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-        self.tb.close()
+        if hasattr(self, "tb"):
+            self.tb.close()
         print("summary: " + ", ".join(f"{k}={summary[k]}" for k in ACCOUNTING))
 
 
 ACCOUNTING = ("produced", "trained", "dropped_stale", "dead_lettered", "left_in_queue", "lost")
+# counters that record events rather than where an entry went (see buffer/redis_stream.py)
+_EVENTS = ("produced", "reclaimed", "ack_lost", "set_aside")
 
 
-def accounting(cfg: Config, redis_url: str) -> dict[str, Any]:
+def _outcomes(counters: dict[str, int]) -> dict[str, int]:
+    """Where entries went: trained, dropped_stale, dead_lettered, invalid_<reason>, ..."""
+    return {k: v for k, v in counters.items() if not k.startswith(_EVENTS)}
+
+
+def _not_trained(counters: dict[str, int]) -> int:
+    return sum(v for k, v in _outcomes(counters).items() if k != "trained")
+
+
+def accounting(queue: RedisExperienceQueue) -> dict[str, Any]:
     """Where every trajectory went, from the stream's shared counters."""
-    from buffer.redis_stream import RedisExperienceQueue
-
-    queue = RedisExperienceQueue.from_config(cfg.queue, redis_url, consumer="accounting")
     stats = queue.stats()
     c = stats.counters
+    outcomes = _outcomes(c)
     summary = {
         "produced": c.get("produced", 0),
-        "trained": c.get("trained", 0),
-        "dropped_stale": c.get("dropped_stale", 0),
-        "dead_lettered": c.get("dead_lettered", 0),
+        "trained": outcomes.pop("trained", 0),
+        "dropped_stale": outcomes.pop("dropped_stale", 0),
+        "dead_lettered": outcomes.pop("dead_lettered", 0),
+        "dropped_invalid": outcomes,  # learner-side checks, by reason (e.g. invalid_token_id)
         "left_in_queue": stats.backlog + stats.pending,
+        "set_aside": {k: v for k, v in c.items() if k.startswith("set_aside:")},  # never produced
         "counters": c,
     }
-    summary["lost"] = summary["produced"] - sum(summary[k] for k in ACCOUNTING[1:5])
+    summary["lost"] = (summary["produced"] - summary["trained"] - summary["dropped_stale"]
+                       - summary["dead_lettered"] - sum(outcomes.values()) - summary["left_in_queue"])
     return summary
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

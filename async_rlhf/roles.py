@@ -39,8 +39,8 @@ class Coordinator:
         self.snapshot: dict[str, Any] = {}
 
     def try_admit(self, generator_id: str, n: int, version: int) -> bool:
-        if self.stop_reason or not self.gate.try_admit(n, version):
-            return False
+        if not self.gate.try_admit(n, version):  # also after a stop request: a learner step
+            return False                         # that is filling its batch needs the samples
         self.running[generator_id] += n
         return True
 
@@ -49,7 +49,7 @@ class Coordinator:
         self.running[generator_id] -= n_admitted
 
     def forget(self, n: int) -> None:
-        self.gate.forget(min(n, self.gate.accepted))
+        self.gate.forget(n)
 
     def release(self, generator_id: str) -> int:
         """A generator died: free the samples it had admitted and will never finish."""
@@ -168,13 +168,18 @@ class LearnerWorker:
     def __init__(self, cfg: Config, rank: int, master: tuple[str, int], redis_url: str, resume: bool):
         os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(cfg.learner.ranks),
                           MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+        import torch
+
         from buffer.redis_stream import RedisExperienceQueue
         from buffer.replay import StalenessReplay
         from learners.deepspeed_backend import DeepSpeedBackend
         from learners.learner import Learner
 
+        torch.set_num_threads(cfg.learner.threads)
+
         self.cfg, self.rank = cfg, rank
         self.out = Path(cfg.out)
+        self._busy = threading.Lock()  # step and finish never overlap
         backend = DeepSpeedBackend(cfg.learner, cfg.model.path, dtype=cfg.model.dtype,
                                    temperature=cfg.generator.temperature, seed=cfg.seed)
         self.broadcaster = WeightBroadcaster(timeout_s=60) if rank == 0 else None
@@ -198,7 +203,8 @@ class LearnerWorker:
         return self.broadcaster.open_epoch(world_size)
 
     def step(self) -> dict[str, Any]:
-        metrics = self.learner.step()
+        with self._busy:
+            metrics = self.learner.step()
         if self.broadcaster is not None:
             metrics.update(weight_sync_s=self.broadcaster.last_publish_s,
                            weight_sync_bytes=self.broadcaster.last_publish_bytes,
@@ -206,10 +212,12 @@ class LearnerWorker:
         return metrics
 
     def finish(self) -> str:
-        """Checkpoint and export the policy (all ranks call it); returns the export directory."""
-        self.learner.save_checkpoint()
-        export = self.out / "policy"
-        self.learner.backend.save_pretrained(export)
-        if self.broadcaster is not None:
-            self.broadcaster.close()
-        return str(export)
+        """Checkpoint and export the policy (all ranks call it); returns the export directory.
+        Waits for a step in flight: the actor is threaded (for open_epoch), these two are not."""
+        with self._busy:
+            self.learner.save_checkpoint()
+            export = self.out / "policy"
+            self.learner.backend.save_pretrained(export)
+            if self.broadcaster is not None:
+                self.broadcaster.close()
+            return str(export)

@@ -283,6 +283,9 @@ class Learner:
             if self.version - r.trajectory.policy_version > self.max_staleness:
                 self._drop(r.entry_id, "dropped_stale")
                 continue
+            if r.trajectory.policy_version > self.version:  # another run's, on a shared stream
+                self._drop(r.entry_id, "invalid_future_version")
+                continue
             keep.append(r)
         return keep
 

@@ -141,3 +141,15 @@ def test_add_generators_from_second_driver_on_second_node(tmp_path, tiny_actor_m
             proc.wait(120)
     assert metrics[-1]["step"] < 100000  # it stopped on request
     _check_accounting(summary)
+
+
+def test_failed_start_ends_with_a_clear_error_and_a_summary(tmp_path, tiny_actor_model):
+    name = "badreward"
+    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=2",
+                  "rewards=[{kind: function, target: 'no_such_module:score'}]")
+    assert proc.wait(300) == 1
+    log = (tmp_path / f"{name}.log").read_text()
+    assert "no_such_module" in log and "no generator could start" in log
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    assert "no generator could start" in summary["error"]
+    assert summary["lost"] == 0
