@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench-queue": ("buffer.bench", "experience-stream throughput vs raw redis-py", ""),
     "bench-gen": ("actors.bench", "generation throughput: vLLM engine vs transformers", ""),
     "bench-learner": ("learners.bench", "learner throughput and time split", ""),
+    "bench": ("async_rlhf.bench", "async vs sync training throughput, stage bounds, idle and staleness", ""),
 }
 
 

@@ -1,0 +1,63 @@
+"""`async-rlhf bench` on a tiny configuration: it runs the stage bounds and two whole jobs
+(k = 0 and k = 1) and writes well-formed bench.json, bench.md and bench.png. Not a timing test:
+throughput figures are only checked to be positive and finite."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TINY = """\
+job: bench-test
+max_staleness: 1
+model: {path: MODEL, preset: tiny}
+data: {source: task, task: count}
+generator: {prompts_per_batch: 4, group_size: 2, max_new_tokens: 8}
+learner: {steps: 2, batch_size: 8, micro_batch: 8, wait_s: 120}
+"""
+
+RUN_KEYS = ("placement", "max_staleness", "generators", "samples_per_s", "tokens_per_s", "gen_idle",
+            "learner_idle", "weight_sync_share", "reward_final", "staleness_hist", "allocation")
+
+
+def test_bench_tiny_writes_outputs(tmp_path: Path, tiny_actor_model: Path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY.replace("MODEL", str(tiny_actor_model)))
+    out = tmp_path / "bench"
+    env = {**os.environ, "ASYNC_RLHF_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "async_rlhf.cli", "bench", "--config", str(config), "--out", str(out),
+           "--staleness", "0,1", "--generators", "1", "--no-colocated", "--steps", "2", "--warmup", "1",
+           "--bound-steps", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+
+    report = json.loads((out / "bench.json").read_text())
+    assert [(r["placement"], r["max_staleness"], r["generators"]) for r in report["runs"]] == [
+        ("dedicated", 0, 1), ("dedicated", 1, 1)]
+    for r in report["runs"]:
+        for key in RUN_KEYS:
+            assert key in r, key
+        assert r["samples_per_s"] > 0 and math.isfinite(r["samples_per_s"])
+        assert 0 <= r["learner_idle"] <= 1 and 0 <= r["gen_idle"] <= 1
+        assert 0 <= r["reward_final"] <= 1
+        assert sum(r["staleness_hist"].values()) == 2 * 8  # timed steps x batch
+        assert max(int(k) for k in r["staleness_hist"]) <= r["max_staleness"]
+        assert len(r["reward_curve"]) == 3 and r["accounting"]["lost"] == 0
+    bounds = report["bounds"]
+    assert bounds["gen"]["samples_per_s"] > 0 and bounds["train"]["samples_per_s"] > 0
+    assert bounds["min_samples_per_s"] == min(bounds["gen"]["samples_per_s"], bounds["train"]["samples_per_s"])
+    assert "speedup_vs_sync_dedicated" in report["verdicts"]
+
+    table = (out / "bench.md").read_text()
+    assert "| dedicated-k0-g1 |" in table and "| dedicated-k1-g1 |" in table
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("dedicated-k0-g1", "dedicated-k1-g1"):  # each setting is a whole job of its own
+        assert (out / "runs" / name / "summary.json").is_file()
