@@ -114,7 +114,8 @@ class ReplayBuffer(Protocol):
     def add(self, items: Sequence[Received]) -> None: ...
 
     def draw(self, count: int, version: int) -> ReplayDraw:
-        """Up to `count` items usable at learner `version`, least-used and freshest first."""
+        """Up to `count` items usable at learner `version`, least-used and freshest first, none
+        of them drawn before at this version (a step may draw several times to fill a batch)."""
         ...
 
     def __len__(self) -> int: ...

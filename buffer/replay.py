@@ -25,6 +25,7 @@ class _Slot:
     item: Received
     uses: int
     seq: int  # arrival order, the last tie-break
+    drawn_at: int = -1  # learner version of its last draw: at most once per version (one step)
 
 
 @dataclass
@@ -51,8 +52,9 @@ class StalenessReplay:
             self._seq += 1
 
     def draw(self, count: int, version: int) -> ReplayDraw:
-        """Up to `count` items usable at learner `version`: least-used first, then freshest
-        (highest policy_version), then first come."""
+        """Up to `count` items usable at learner `version`, none already drawn at this version
+        (a step may draw several times while it fills its batch): least-used first, then
+        freshest (highest policy_version), then first come."""
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         dropped: list[tuple[str, str]] = []
@@ -65,13 +67,14 @@ class StalenessReplay:
                 else:
                     self.evicted["stale_after_use"] += 1
         order = sorted(
-            self._slots.values(),
+            (s for s in self._slots.values() if s.drawn_at != version),
             key=lambda s: (s.uses, -s.item.trajectory.policy_version, s.seq),
         )
         chosen = order[:count]
         first_use = [s.item.entry_id for s in chosen if s.uses == 0]
         for slot in chosen:
             slot.uses += 1
+            slot.drawn_at = version
             if slot.uses >= self.max_reuse:
                 del self._slots[slot.item.entry_id]
                 self.evicted["reuse_spent"] += 1

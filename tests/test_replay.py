@@ -44,10 +44,10 @@ def test_reuse_up_to_max_then_evicted_and_only_first_use_reported():
     buf.add([item("a", 0)])
     first = buf.draw(1, version=0)
     assert first.first_use == ["a"]
-    for _ in range(2):
-        again = buf.draw(1, version=0)
+    for version in (1, 2):  # once per learner version
+        again = buf.draw(1, version=version)
         assert ids(again.items) == ["a"] and again.first_use == []
-    assert len(buf) == 0 and buf.draw(1, version=0).items == []
+    assert len(buf) == 0 and buf.draw(1, version=3).items == []
 
 
 def test_stale_after_use_is_evicted_silently():
@@ -63,10 +63,10 @@ def test_least_used_then_freshest_then_first_come():
     buf = StalenessReplay(max_reuse=4, max_staleness=10)
     buf.add([item("v1-first", 1), item("v1-second", 1), item("v2", 2)])
     assert ids(buf.draw(1, version=2).items) == ["v2"]
-    assert ids(buf.draw(2, version=2).items) == ["v1-first", "v1-second"]  # unused before used
+    assert ids(buf.draw(2, version=3).items) == ["v1-first", "v1-second"]  # unused before used
     buf.add([item("v0", 0)])
-    assert ids(buf.draw(1, version=2).items) == ["v0"]  # unused, even though older
-    assert ids(buf.draw(3, version=2).items) == ["v2", "v1-first", "v1-second"]
+    assert ids(buf.draw(1, version=4).items) == ["v0"]  # unused, even though older
+    assert ids(buf.draw(3, version=5).items) == ["v2", "v1-first", "v1-second"]
 
 
 def test_duplicate_ids_are_ignored():
@@ -97,3 +97,14 @@ def test_every_added_id_is_accounted_for_exactly_once():
 def test_bad_settings_name_the_value(kwargs):
     with pytest.raises(ValueError, match=str(list(kwargs.values())[0])):
         StalenessReplay(**kwargs)
+
+
+def test_reused_items_are_drawn_once_per_version():
+    """A step that draws twice while filling its batch never gets the same item twice."""
+    replay = StalenessReplay(max_reuse=2, max_staleness=1)
+    replay.add([item(str(i), 0) for i in range(16)])
+    first = replay.draw(32, version=0)
+    second = replay.draw(16, version=0)
+    assert len(first.items) == 16 and second.items == []
+    again = replay.draw(32, version=1)  # the next step may reuse them
+    assert sorted(ids(again.items)) == sorted(ids(first.items))
