@@ -57,7 +57,7 @@ def _trajectories(n: int, tokens: int, prompt_tokens: int) -> list:
 def _raw_round(client, trajs: list, payloads: list[bytes], batch: int, codec: bool):
     """Raw redis-py: pipelined XADD, XREADGROUP + XACK. With `codec`, also encode before the
     XADDs and decode (and validate) after the reads: the queue's work minus its bookkeeping."""
-    from buffer.codec import decode, encode
+    from buffer.codec import decode_batch, encode
 
     stream, group = f"bench-raw-{uuid.uuid4().hex[:8]}", "g"
     client.xgroup_create(stream, group, id="0", mkstream=True)
@@ -74,7 +74,7 @@ def _raw_round(client, trajs: list, payloads: list[bytes], batch: int, codec: bo
         reply = client.xreadgroup(group, "c", {stream: ">"}, count=batch)
         entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
         if codec:  # kept until the next read, as a consumer keeps the batch it trains on
-            batch_trajs = [decode(fields[b"t"]) for _, fields in entries]  # noqa: F841
+            batch_trajs = decode_batch([fields[b"t"] for _, fields in entries])  # noqa: F841
         client.xack(stream, group, *[entry_id for entry_id, _ in entries])
         consumed += len(entries)
     t2 = time.perf_counter()
