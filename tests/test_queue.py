@@ -205,8 +205,9 @@ def _reencoded(t: Trajectory, **edits) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+@pytest.mark.parametrize("count", [3, 100])  # 100: one batch, whose log-prob check fails
 def test_malformed_entries_are_dead_lettered_while_good_ones_flow(
-    redis_client, make_queue, stream_name
+    redis_client, make_queue, stream_name, count
 ):
     bad = {
         "garbage": b"\xc1\x00not msgpack",
@@ -225,7 +226,7 @@ def test_malformed_entries_are_dead_lettered_while_good_ones_flow(
     redis_client.xadd(stream_name, {b"other": b"x"})  # no payload field at all
     consumer = make_queue()
     got = []
-    while batch := consumer.get(3, block_ms=0):
+    while batch := consumer.get(count, block_ms=0):
         got += batch
     assert sorted(r.trajectory.reward for r in got) == [10.0 + i for i in range(6)]
     stats = consumer.stats()
