@@ -143,21 +143,6 @@ assert _TRAJECTORY_FIELDS == _FIELDS and not hasattr(Trajectory, "__post_init__"
 assert "__dict__" in dir(Trajectory) and not hasattr(Trajectory, "__slots__")
 
 
-def _trajectory(fields: dict) -> Trajectory:
-    traj = object.__new__(Trajectory)
-    traj.__dict__.update(fields)
-    return traj
-
-
-def _fast_array(arr: _Ids | _Floats) -> np.ndarray | None:
-    """The 1-D array `arr` holds, read-only; None if it is anything else."""
-    dtype = _DTYPES[arr.dtype]
-    shape, data = arr.shape, arr.data
-    if len(shape) != 1 or len(data) != shape[0] * dtype.itemsize:
-        return None
-    return np.frombuffer(data, dtype=dtype)
-
-
 def _decode_fast(data: bytes) -> Trajectory | None:
     """The common case, fast: a well-formed v1 entry with 1-D arrays; None for anything else."""
     try:
@@ -166,19 +151,20 @@ def _decode_fast(data: bytes) -> Trajectory | None:
         return None
     if w.schema_version != SCHEMA_VERSION:
         return None
-    prompt_ids = _fast_array(w.prompt_ids)
-    response_ids = _fast_array(w.response_ids)
-    behavior_logprobs = _fast_array(w.behavior_logprobs)
-    if prompt_ids is None or response_ids is None or behavior_logprobs is None:
-        return None
-    return _trajectory({
-        "prompt_ids": prompt_ids, "response_ids": response_ids,
-        "behavior_logprobs": behavior_logprobs, "reward": w.reward,
-        "reward_parts": w.reward_parts, "policy_version": w.policy_version,
-        "generator_id": w.generator_id, "group_id": w.group_id, "finished": w.finished,
-        "generated_at": w.generated_at, "generation_s": w.generation_s,
-        "schema_version": w.schema_version,
-    })
+    arrays = []
+    for arr in (w.prompt_ids, w.response_ids, w.behavior_logprobs):
+        dtype = _DTYPES[arr.dtype]
+        if len(arr.shape) != 1 or len(arr.data) != arr.shape[0] * dtype.itemsize:
+            return None
+        arrays.append(np.frombuffer(arr.data, dtype))  # read-only: msgspec made bytes
+    traj = object.__new__(Trajectory)
+    traj.__dict__.update(
+        prompt_ids=arrays[0], response_ids=arrays[1], behavior_logprobs=arrays[2],
+        reward=w.reward, reward_parts=w.reward_parts, policy_version=w.policy_version,
+        generator_id=w.generator_id, group_id=w.group_id, finished=w.finished,
+        generated_at=w.generated_at, generation_s=w.generation_s, schema_version=w.schema_version,
+    )
+    return traj
 
 
 def _unpack_array(field: str, obj: object) -> np.ndarray:
