@@ -83,6 +83,8 @@ class Job:
             self._start_ray()
             stack.callback(self._shutdown_ray)
             signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which sets its own
+            # also when started in the background, where shells start us with SIGINT ignored
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             self.start_time = time.time()
             try:
                 self._start_actors()

@@ -153,3 +153,22 @@ def test_failed_start_ends_with_a_clear_error_and_a_summary(tmp_path, tiny_actor
     summary = json.loads((tmp_path / name / "summary.json").read_text())
     assert "no generator could start" in summary["error"]
     assert summary["lost"] == 0
+
+
+def test_ctrl_c_checkpoints_accounts_and_leaves_no_process(tmp_path, tiny_actor_model):
+    name = "ctrlc"
+    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000")
+    _wait_for(lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
+    info = json.loads((tmp_path / "home" / "jobs" / f"{name}.json").read_text())
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(300) == 130
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    _check_accounting(summary)
+    assert any((tmp_path / name / "checkpoints").iterdir())
+    assert (tmp_path / name / "policy" / "config.json").exists()
+    assert not (tmp_path / "home" / "jobs" / f"{name}.json").exists()
+    ray_port = info["ray_address"].rsplit(":", 1)[1]
+    redis_port = info["redis_url"].rsplit(":", 1)[1].split("/")[0]
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    leftovers = [line for line in ps.splitlines() if f":{ray_port}" in line or f"127.0.0.1:{redis_port}" in line]
+    assert leftovers == []
