@@ -30,7 +30,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-LOOPBACK = "127.0.0.1"
+from async_rlhf.procs import LOOPBACK, die_with_parent, free_port
+
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 _START_TIMEOUT_S = 60.0
 _STOP_TIMEOUT_S = 15.0
@@ -57,12 +57,6 @@ def ray_env(base: dict[str, str] | None = None) -> dict[str, str]:
     # gloo (learner ranks, weight broadcast) otherwise picks the interface of the hostname
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 def session_pids(sid: int) -> set[int]:
@@ -134,21 +128,12 @@ class _ProcessSession:
 
 # Run first in the child, then exec the real command: SIGTERM on the death of the thread that
 # started it (PR_SET_PDEATHSIG survives exec). Not a preexec_fn: the driver has threads by then.
-_DIE_WITH_PARENT = """
-import ctypes, os, signal, sys
-ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-if os.getppid() != int(sys.argv[1]):  # the parent died before prctl
-    sys.exit(1)
-os.execv(sys.argv[2], sys.argv[2:])
-"""
-
-
 def _spawn(cmd: list[str], log_path: Path) -> _ProcessSession:
     # Own session so stop() finds every descendant; parent-death signal so a launcher that is
     # SIGKILLed does not leave an orphaned cluster behind.
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd], env=ray_env(),
+            die_with_parent(cmd), env=ray_env(),
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     return _ProcessSession(proc, log_path)

@@ -141,7 +141,7 @@ class Job:
 
     def _start_actors(self) -> None:
         from async_rlhf.roles import Coordinator, LearnerWorker
-        from async_rlhf.cluster import free_port
+        from async_rlhf.procs import free_port
 
         ray, cfg = self.ray, self.cfg
         # max_concurrency 2: open_epoch runs while a step waits for the samples it will bring

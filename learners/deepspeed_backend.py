@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 from torch import nn
 
 from async_rlhf.config import LearnerConfig
+from async_rlhf.procs import free_port
 from learners.losses import entropy_from_logits, token_logprobs
 
 
@@ -36,12 +36,6 @@ def _import_deepspeed():
     return deepspeed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(device: str) -> tuple[int, int]:
     """Join (or create, for a lone process) the learner's process group; returns (rank, world).
 
@@ -53,7 +47,7 @@ def init_distributed(device: str) -> tuple[int, int]:
     deepspeed = _import_deepspeed()
     if "RANK" not in os.environ:  # a lone process: a one-member group on loopback
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     if not torch.distributed.is_initialized():
         deepspeed.ops.__dict__.setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(

@@ -9,7 +9,6 @@ the real RedisExperienceQueue and StalenessReplay.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -18,20 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from async_rlhf.procs import free_port
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 256
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(spec: dict, ranks: int, timeout: float = 300) -> list[int]:
     """Start `ranks` worker processes on one gloo group; their exit codes."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(ranks):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,30 @@ def test_stopped_at_interpreter_exit(tmp_path):
     pid = int(done.stdout)
     with pytest.raises(ProcessLookupError):  # atexit stopped (and reaped) it
         os.kill(pid, 0)
+
+
+def test_stopped_when_its_owner_is_sigkilled(tmp_path):
+    code = (
+        "import sys, time; sys.path.insert(0, sys.argv[1])\n"
+        "from buffer.redis_server import EmbeddedRedis\n"
+        "server = EmbeddedRedis(sys.argv[2]).start()\n"
+        "print(server.port, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code, str(REPO), str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True)
+    port = int(owner.stdout.readline())
+    client = redis.Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0))
+    owner.kill()  # no atexit: only the parent-death signal can stop the server
+    owner.wait(30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            client.ping()
+        except redis.AuthenticationError:
+            time.sleep(0.2)  # still up (it wants the password)
+            continue
+        except redis.ConnectionError:
+            break
+    else:
+        raise AssertionError(f"redis-server on port {port} outlived its SIGKILLed owner")

@@ -1,0 +1,31 @@
+"""Small process helpers shared by the parts that start servers or process groups."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+LOOPBACK = "127.0.0.1"
+
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):  # the parent died before prctl
+    sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent(cmd: list[str]) -> list[str]:
+    """`cmd` wrapped so that it gets SIGTERM when this process dies, even by SIGKILL (Linux's
+    parent-death signal, set in a tiny trampoline: preexec_fn is unsafe once threads exist).
+    `cmd[0]` must be a path."""
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
