@@ -83,7 +83,7 @@ def run_stop(args: argparse.Namespace) -> int:
     import ray
 
     _, coordinator = _coordinator(args.job)
-    ray.get(coordinator.request_stop.remote(f"`async-rlhf stop` from another driver"))
+    ray.get(coordinator.request_stop.remote("`async-rlhf stop` from another driver"))
     print(f"job {args.job}: stop requested; it ends after the current learner step")
     return 0
 
