@@ -21,7 +21,9 @@ step W to the end of the last step.
 Reported per setting: trained samples/s and response tokens/s, generated tokens/s, generator
 idle fraction (idle / (idle + generate + score + put + weight load), over the window), learner
 idle fraction (time waiting for a batch / window), weight-sync share of the step, staleness
-histogram, reward at the end (mean of the last quarter of steps) and per-sample reward curves,
+histogram, reward at the end (mean of the last quarter of steps), reward per trained sample over the
+whole job (the area under the reward-vs-samples curve: it shows the lag staleness adds) and the
+curves,
 and the fraction of min(bound_gen, bound_train) reached. Writes OUT/bench.json, OUT/bench.md,
 OUT/bench.png; each job keeps its own directory under OUT/runs/.
 """
@@ -269,6 +271,7 @@ def summarise(run_dir: Path, warmup: int) -> dict[str, Any]:
         "step_s": dt / len(window),
         "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
         "reward_final": sum(r["reward_mean"] for r in tail) / len(tail),
+        "reward_per_sample": sum(r["reward_mean"] * r["samples"] for r in rows) / samples,  # whole run
         "reward_curve": curve,
         "accounting": {k: summary.get(k) for k in ("produced", "trained", "dropped_stale", "lost")},
     }
@@ -281,18 +284,19 @@ def _best_async(runs: list[dict]) -> dict | None:
 
 
 def verdicts(runs: list[dict], bounds: dict) -> dict[str, Any]:
-    """The issue's targets, computed from this run."""
+    """The issue's targets, computed from this run. "Same placement": the synchronous (k = 0)
+    dedicated run with the same generator count as the best asynchronous one."""
     best = _best_async(runs)
     sync = [r for r in runs if r["placement"] == "dedicated" and r["max_staleness"] == 0]
     sync_same = next((r for r in sync if best and r["generators"] == best["generators"]), None)
     sync_best = max(sync, key=lambda r: r["samples_per_s"]) if sync else None
     colo = next((r for r in runs if r["placement"] == "colocated"), None)
     v: dict[str, Any] = {"best_async": best and best["name"]}
-    if best and sync_best:
-        v["speedup_vs_sync_dedicated"] = best["samples_per_s"] / sync_best["samples_per_s"]
-        v["sync_dedicated"] = sync_best["name"]
     if best and sync_same:
-        v["speedup_vs_sync_same_generators"] = best["samples_per_s"] / sync_same["samples_per_s"]
+        v["speedup_vs_sync_same_placement"] = best["samples_per_s"] / sync_same["samples_per_s"]
+    if best and sync_best:  # k = 0 with more generators uses the idle learner's core too
+        v["speedup_vs_best_sync_dedicated"] = best["samples_per_s"] / sync_best["samples_per_s"]
+        v["best_sync_dedicated"] = sync_best["name"]
     if best and bounds:
         v["fraction_of_bound"] = best["samples_per_s"] / bounds["min_samples_per_s"]
     if best and colo:
@@ -303,6 +307,7 @@ def verdicts(runs: list[dict], bounds: dict) -> dict[str, Any]:
                    and r["generators"] == g), None)
         if k0 and k2 and k0["reward_final"]:
             v[f"reward_k2_over_k0_g{g}"] = k2["reward_final"] / k0["reward_final"]
+            v[f"reward_per_sample_k2_over_k0_g{g}"] = k2["reward_per_sample"] / k0["reward_per_sample"]
     return v
 
 
