@@ -107,6 +107,7 @@ class GeneratorWorker:
         self.generator = make_generator(cfg, queue, gate, index=index)
         self.stop_event = threading.Event()
         self.error = ""
+        self.last_receive_s = 0.0  # the newest weight update's transfer time
         self._latest: WeightUpdate | None = None
         self._update_ready = threading.Condition()
         self._threads = [
@@ -133,6 +134,7 @@ class GeneratorWorker:
         try:
             receiver = WeightReceiver(address, rank)
             while (update := receiver.receive()) is not None:
+                self.last_receive_s = update.received_s
                 with self._update_ready:  # keep only the newest: a slow batch never queues stale ones
                     self._latest = update
                     self._update_ready.notify()
@@ -151,7 +153,8 @@ class GeneratorWorker:
         import ray
 
         return {**self.generator.stats(), "node": socket.gethostname(), "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id(), "error": self.error}
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "weight_receive_s": self.last_receive_s, "error": self.error}
 
     def stop(self) -> dict[str, Any]:
         self.stop_event.set()

@@ -22,7 +22,7 @@ import math
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import msgpack
@@ -53,7 +53,6 @@ class WeightUpdate:
     named_tensors: list[tuple[str, torch.Tensor]]
     received_s: float  # seconds from the first header to the last byte
     nbytes: int
-    received_at: float = field(default_factory=time.time)
 
 
 def default_backend() -> str:
