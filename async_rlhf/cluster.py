@@ -159,11 +159,9 @@ def _wait_for_log(group: _ProcessSession, marker: str, what: str) -> str:
 
 
 @dataclass
-class LocalCluster:
-    """A Ray head node on 127.0.0.1 started by this process; `address` is what drivers use."""
+class _Node:
+    """Ray processes started by this process in their own session; stopped all together."""
 
-    address: str
-    temp_dir: Path
     _group: _ProcessSession = field(repr=False)
 
     @property
@@ -171,18 +169,29 @@ class LocalCluster:
         return self._group.pid
 
     def pids(self) -> set[int]:
-        """Every live process of the head node (GCS, raylet, agents, workers, actors)."""
+        """Every live process of the node (GCS, raylet, agents, workers, actors)."""
         return self._group.pids()
 
     def stop(self) -> None:
         self._group.stop()
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
-    def __enter__(self) -> LocalCluster:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@dataclass
+class LocalCluster(_Node):
+    """A Ray head node on 127.0.0.1 started by this process; `address` is what drivers use."""
+
+    address: str = ""
+    temp_dir: Path = Path()
+
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def start_local_cluster(num_cpus: int, resources: dict[str, float] | None = None) -> LocalCluster:
@@ -207,7 +216,7 @@ def start_local_cluster(num_cpus: int, resources: dict[str, float] | None = None
         group.stop()
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
-    return LocalCluster(f"{LOOPBACK}:{port}", temp_dir, group)
+    return LocalCluster(group, address=f"{LOOPBACK}:{port}", temp_dir=temp_dir)
 
 
 _WORKER_NODE_MAIN = """
@@ -225,27 +234,10 @@ while True:
 
 
 @dataclass
-class WorkerNode:
+class WorkerNode(_Node):
     """A second raylet on this machine joined to a cluster; `node_id` is Ray's hex node id."""
 
-    node_id: str
-    _group: _ProcessSession = field(repr=False)
-
-    @property
-    def pid(self) -> int:
-        return self._group.pid
-
-    def pids(self) -> set[int]:
-        return self._group.pids()
-
-    def stop(self) -> None:
-        self._group.stop()
-
-    def __enter__(self) -> WorkerNode:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    node_id: str = ""
 
 
 def start_worker_node(address: str, num_cpus: int, resources: dict[str, float]) -> WorkerNode:
@@ -259,7 +251,7 @@ def start_worker_node(address: str, num_cpus: int, resources: dict[str, float]) 
            str(num_cpus), json.dumps(resources)]
     group = _spawn(cmd, log_path)
     line = _wait_for_log(group, "WORKER_NODE_READY", f"ray worker node for {address}")
-    return WorkerNode(line.split()[-1], group)
+    return WorkerNode(group, node_id=line.split()[-1])
 
 
 def connect(address: str | None, namespace: str, **init_kwargs):
