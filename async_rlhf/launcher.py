@@ -306,7 +306,7 @@ class Job:
             print(f"policy exported to {export[0]}" if export else "no learner to checkpoint")
         except Exception as e:  # noqa: BLE001 - a failed learner must not block the summary
             log.error("learner checkpoint failed: %s", e)
-            for learner in self.learners:
+            for learner in getattr(self, "learners", []):
                 ray.kill(learner)
         for gid, handle in {**self.generators, **{g: h for g, (h, _) in self.starting.items()}}.items():
             try:
