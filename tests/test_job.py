@@ -172,3 +172,15 @@ def test_ctrl_c_checkpoints_accounts_and_leaves_no_process(tmp_path, tiny_actor_
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     leftovers = [line for line in ps.splitlines() if f":{ray_port}" in line or f"127.0.0.1:{redis_port}" in line]
     assert leftovers == []
+
+
+def test_resume_continues_from_the_checkpoint_with_current_weights(tmp_path, tiny_actor_model):
+    first = _train(tmp_path, tiny_actor_model, "res", "learner.steps=3")
+    _finish(tmp_path, "res", first)
+    again = _train(tmp_path, tiny_actor_model, "res", "learner.steps=5", "--resume")
+    metrics, summary = _finish(tmp_path, "res", again)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]  # metrics.jsonl goes on
+    # the generators got version 3's weights before generating: the first resumed step trains
+    # on samples of version 3, not of the initial weights (which the learner would drop)
+    assert metrics[3]["staleness_max"] == 0 and summary["dropped_stale"] == 0
+    _check_accounting(summary)
