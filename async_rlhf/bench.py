@@ -111,7 +111,7 @@ def _bound_train(cfg, redis_url: str, warmup: int, steps: int) -> dict[str, Any]
 
     from buffer.redis_stream import RedisExperienceQueue
     from buffer.replay import StalenessReplay
-    from learners.bench import _NullPublisher
+    from learners.bench import NullPublisher
     from learners.deepspeed_backend import DeepSpeedBackend
     from learners.learner import Learner
 
@@ -132,7 +132,7 @@ def _bound_train(cfg, redis_url: str, warmup: int, steps: int) -> dict[str, Any]
     backend = DeepSpeedBackend(cfg.learner, cfg.model.path, dtype=cfg.model.dtype,
                                temperature=cfg.generator.temperature, seed=cfg.seed)
     learner = Learner(cfg.learner, backend, max_staleness=total, queue=queue,
-                      replay=StalenessReplay(max_reuse=1, max_staleness=total), publisher=_NullPublisher())
+                      replay=StalenessReplay(max_reuse=1, max_staleness=total), publisher=NullPublisher())
     learner.train(warmup)
     start = time.perf_counter()
     history = learner.train(steps)

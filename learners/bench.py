@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench/learner.json")
 
 
-class _NullPublisher:
+class NullPublisher:
     """Consumes the gathered weights like a broadcast would, without sending them."""
 
     def publish(self, named_tensors, version):
@@ -57,7 +57,7 @@ def bench_one(args: argparse.Namespace, zero_stage: int) -> dict:
                                 response_len=args.response_len)
     queue = PreloadedQueue()
     learner = Learner(cfg, backend, max_staleness=0, queue=queue, replay=OnceReplay(),
-                      publisher=_NullPublisher())
+                      publisher=NullPublisher())
     for i in range(cfg.steps):  # stamp each batch with the version that will train it
         queue.put([dataclasses.replace(t, policy_version=i) for t in trajs[i * cfg.batch_size:(i + 1) * cfg.batch_size]])
     learner.train(args.warmup)
