@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from async_rlhf.types import SCHEMA_VERSION, Trajectory, TrajectoryError
+from helpers import reencoded
 from buffer.codec import decode, encode
 
 
@@ -26,17 +27,6 @@ def make_traj(**changes) -> Trajectory:
     )
     fields.update(changes)
     return Trajectory(**fields)
-
-
-def reencoded(traj: Trajectory, **edits) -> bytes:
-    """encode(traj) with map entries replaced (None: removed), as a buggy producer would."""
-    obj = msgpack.unpackb(encode(traj))
-    for key, value in edits.items():
-        if value is None:
-            del obj[key]
-        else:
-            obj[key] = value
-    return msgpack.packb(obj, use_bin_type=True)
 
 
 def assert_same(a: Trajectory, b: Trajectory) -> None:

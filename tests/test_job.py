@@ -6,6 +6,7 @@ OUT/metrics.jsonl (one line per learner step) and OUT/summary.json (the accounti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -68,6 +69,17 @@ def _steps_done(tmp_path: Path, name: str) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+@contextlib.contextmanager
+def _interrupted_on_failure(proc: subprocess.Popen):
+    """A test that fails midway still ends its job cleanly (Ctrl-C)."""
+    try:
+        yield
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(120)
+
+
 def _check_accounting(summary: dict) -> None:
     assert summary["lost"] == 0, summary
     assert summary["produced"] >= summary["trained"] > 0, summary
@@ -92,7 +104,7 @@ def test_killed_generator_loses_nothing_and_job_goes_on(tmp_path, tiny_actor_mod
     name = "kill"
     proc = _train(tmp_path, tiny_actor_model, name, "generator.count=2", "learner.steps=100000",
                   "max_staleness=1")
-    try:
+    with _interrupted_on_failure(proc):
         _wait_for(lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
         status = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))
         victim = next(g for g in status["generators"] if g["produced"] > 0)
@@ -104,10 +116,6 @@ def test_killed_generator_loses_nothing_and_job_goes_on(tmp_path, tiny_actor_mod
         _wait_for(lambda: _steps_done(tmp_path, name) >= after + 5, 300, "five more steps")
         _cli(tmp_path, "stop", "--job", name)
         metrics, summary = _finish(tmp_path, name, proc)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(120)
     assert metrics[-1]["generators"] == 1
     _check_accounting(summary)
 
@@ -117,7 +125,7 @@ def test_add_generators_from_second_driver_on_second_node(tmp_path, tiny_actor_m
 
     name = "grow"
     proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "max_staleness=1")
-    try:
+    with _interrupted_on_failure(proc):
         _wait_for(lambda: _steps_done(tmp_path, name) >= 1, 300, "the first learner step")
         info = json.loads(next((tmp_path / "home" / "jobs").glob(f"{name}.json")).read_text())
         with cluster.start_worker_node(info["ray_address"], num_cpus=1, resources={"node_b": 1}):
@@ -135,10 +143,6 @@ def test_add_generators_from_second_driver_on_second_node(tmp_path, tiny_actor_m
             assert nodes["gen-1"] != nodes["gen-0"]
             _cli(tmp_path, "stop", "--job", name)
             metrics, summary = _finish(tmp_path, name, proc)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(120)
     assert metrics[-1]["step"] < 100000  # it stopped on request
     _check_accounting(summary)
 

@@ -19,6 +19,7 @@ from async_rlhf.types import Trajectory
 from buffer.codec import encode
 from buffer.redis_server import EmbeddedRedis
 from buffer.redis_stream import FIELD, QueueFull, RedisExperienceQueue
+from helpers import reencoded
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -193,31 +194,19 @@ def test_backpressure_timeout_names_bound_and_fix(make_queue):
     assert producer.stats().counters["produced"] == 2  # nothing appended, nothing trimmed
 
 
-def _reencoded(t: Trajectory, **edits) -> bytes:
-    import msgpack
-
-    obj = msgpack.unpackb(encode(t))
-    for key, value in edits.items():
-        if value is None:
-            del obj[key]
-        else:
-            obj[key] = value
-    return msgpack.packb(obj, use_bin_type=True)
-
-
 @pytest.mark.parametrize("count", [3, 100])  # 100: one batch, whose log-prob check fails
 def test_malformed_entries_are_dead_lettered_while_good_ones_flow(
     redis_client, make_queue, stream_name, count
 ):
     bad = {
         "garbage": b"\xc1\x00not msgpack",
-        "schema": _reencoded(traj(0), schema_version=99),
+        "schema": reencoded(traj(0), schema_version=99),
         "non_finite_reward": encode(traj(0, reward=math.nan)),
         "non_finite_logprob": encode(
             traj(0, behavior_logprobs=np.array([-1, math.nan, -1, -1, -1], np.float32))
         ),
         "length_mismatch": encode(traj(0, behavior_logprobs=np.array([-1.0], np.float32))),
-        "missing_field": _reencoded(traj(0), reward=None),
+        "missing_field": reencoded(traj(0), reward=None),
     }
     producer = make_queue("generator-0")
     for i, payload in enumerate(bad.values()):
