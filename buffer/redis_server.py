@@ -90,6 +90,7 @@ class EmbeddedRedis:
         binary: str | None = None,
         start_timeout_s: float = 20.0,
     ):
+        self.binary = binary or find_redis_server()  # first: a missing binary leaves no temp dir
         self._owns_dir = data_dir is None
         self._retry_port = port is None  # a free port may be taken before redis binds it
         # absolute: the server runs in this directory and reads `dir` from its config
@@ -97,7 +98,6 @@ class EmbeddedRedis:
         self.port = port or free_port()
         self.password = password or secrets.token_urlsafe(24)
         self.durable = durable
-        self.binary = binary or find_redis_server()
         self.start_timeout_s = start_timeout_s
         self.process: subprocess.Popen | None = None
         self._owner_pid = os.getpid()

