@@ -13,8 +13,9 @@ Only rank 0 acks. The launcher starts one Learner per rank; ranks other than 0 g
 replay=None, publisher=None.
 
 Per step (one policy version): wait for a batch (dropping, with an ack and a count, anything
-staler than max_staleness) -> recompute pi_prox (and reference, critic) on each rank's rows ->
-advantages -> `minibatches` optimizer steps of micro-batches -> ack first uses as "trained" ->
+staler than max_staleness) -> recompute pi_prox (and reference, critic) on each rank's rows
+(pi_prox only when the batch takes several optimizer steps or feeds a KL reward; with one step
+it is the training forward's own log-probs, detached) -> advantages -> `minibatches` optimizer steps of micro-batches -> ack first uses as "trained" ->
 version += 1 -> gather full weights and publish them (rank 0) -> checkpoint when due.
 A crash after an ack but before the next checkpoint loses those updates, not the run: resume
 restarts from the checkpoint with its version and counters, and trains on fresh experience.
@@ -113,6 +114,16 @@ class Batch:
         return Batch(**out)
 
 
+def _reward_by_version(batch: Batch) -> dict[int, list]:
+    """{generating policy version: [samples, mean reward]}: the reward each policy earned, which
+    a staleness-lagged batch mean blurs across versions."""
+    out = {}
+    for v in batch.versions.unique().tolist():
+        rewards = batch.rewards[batch.versions == v]
+        out[v] = [len(rewards), float(rewards.mean())]
+    return out
+
+
 class Learner:
     """One data-parallel rank of the learner (see module docstring for the split).
 
@@ -150,6 +161,11 @@ class Learner:
         dist.broadcast(flag, 0)  # every rank joins the ZeRO-3 gather iff rank 0 publishes
         self._publish = bool(flag.item())
         self._vocab = backend.engine.module.config.vocab_size
+        # With one optimizer step per batch, pi_prox (the weights before this step) is what the
+        # training forward computes: take it detached there (as TRL does for num_iterations=1)
+        # rather than in a separate pass, a fifth of the step. A KL-in-reward needs it earlier.
+        self.prox_from_forward = (cfg.ratio_to == "prox" and cfg.minibatches == 1
+                                  and not (cfg.kl_mode == "reward" and backend.reference is not None))
 
     # -- the loop --------------------------------------------------------------------------
     def train(self, steps: int | None = None) -> list[dict]:
@@ -202,6 +218,7 @@ class Learner:
             "staleness_max": max(staleness),
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_hist": dict(sorted(collections.Counter(staleness).items())),
+            "reward_by_version": _reward_by_version(batch),
             "trained_by_generator": dict(collections.Counter(r.trajectory.generator_id for r in items)),
             **{f"time_{k}": v for k, v in timing.items()},
             **{f"count_{k}": v for k, v in self.counters.items()},
@@ -316,16 +333,17 @@ class Learner:
 
     @torch.no_grad()
     def _recompute(self, local: Batch, timing) -> dict[str, torch.Tensor]:
-        """pi_prox (and reference, critic values) log-probs [n, T] for this rank's rows."""
+        """pi_prox (unless prox_from_forward), reference log-probs and critic values [n, T] for
+        this rank's rows."""
         t = time.perf_counter()
         be, out = self.backend, collections.defaultdict(list)
         be.engine.eval()
         for _, mb in self._micro_batches(local):
             args = (mb.input_ids, mb.attention_mask, mb.positions)
-            if self.cfg.ratio_to == "prox":  # plain PPO (ablation) anchors on behaviour instead
-                out["prox_logp"].append(be.logprobs(*args)[0])
-            else:
+            if self.cfg.ratio_to == "behavior":  # plain PPO (ablation): anchored on behaviour
                 out["prox_logp"].append(mb.behavior_logp)
+            elif not self.prox_from_forward:
+                out["prox_logp"].append(be.logprobs(*args)[0])
             if be.reference is not None:
                 out["ref_logp"].append(be.logprobs(*args, reference=True)[0])
             if be.critic is not None:
@@ -380,8 +398,9 @@ class Learner:
                 t = time.perf_counter()
                 logp, entropy = be.logprobs(mb.input_ids, mb.attention_mask, mb.positions,
                                             with_entropy=True, entropy_grad=cfg.entropy_coef > 0)
+                prox = logp.detach() if self.prox_from_forward else rec["prox_logp"][idx]
                 pg, st = policy_loss(
-                    logp, rec["prox_logp"][idx], mb.behavior_logp, advantages[idx], mb.mask,
+                    logp, prox, mb.behavior_logp, advantages[idx], mb.mask,
                     clip_eps=cfg.clip_eps, correction=cfg.correction, is_cap=cfg.is_cap,
                     level=cfg.correction_level, ratio_to=cfg.ratio_to, agg=cfg.loss_agg, **counts,
                 )

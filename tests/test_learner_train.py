@@ -132,6 +132,8 @@ def test_stale_and_malformed_trajectories_are_acked_with_a_reason_not_trained(ma
     assert sorted(d.reason for d in queue.dead_letters()) == ["non_finite_logprob", "non_finite_reward"]
     assert metrics["count_dropped_stale"] == 4 and metrics["count_invalid_token_id"] == 1
     assert metrics["staleness_hist"] == {0: 8}
+    mean_reward = sum(t.reward for t in fresh) / len(fresh)
+    assert metrics["reward_by_version"] == {3: [8, pytest.approx(mean_reward, abs=1e-6)]}
     assert math.isfinite(metrics["loss"])
 
 
@@ -164,6 +166,30 @@ def test_entries_reclaimed_by_another_consumer_are_not_trained(make_learner, mak
     assert other.renew([stolen]) == [stolen]  # still the other consumer's, never acked
     held = queue.renew()
     assert len(held) == 3 and stolen not in held
+
+
+def test_pi_prox_from_the_training_forward_gives_the_recomputed_update(make_learner):
+    """One optimizer step per batch: pi_prox taken from the training forward (detached) instead
+    of a separate pass changes nothing but the time. Behaviour log-probs differ from pi_prox, so
+    the behaviour weights and their cap are in play."""
+    trajs = random_trajectories(8, vocab=VOCAB, seed=5)
+    results = []
+    for from_forward in (True, False):
+        learner, _, publisher = make_learner(trajs, is_cap=1.5)
+        assert learner.prox_from_forward  # the default: minibatches=1, ratio_to=prox
+        learner.prox_from_forward = from_forward
+        be, passes = learner.backend, []
+        logprobs = be.logprobs
+        be.logprobs = lambda *a, **k: passes.append(1) or logprobs(*a, **k)
+        metrics = learner.step()
+        assert len(passes) == (2 if from_forward else 4)  # 2 micro-batches, + a recompute pass each
+        results.append((metrics, publisher.weights))
+    (fused, w_fused), (recomputed, w_recomputed) = results
+    for key in ("loss", "bw_mean", "bw_max", "bw_capped_frac", "grad_norm"):
+        assert fused[key] == pytest.approx(recomputed[key], rel=1e-5, abs=1e-7), key
+    assert 0 < fused["bw_capped_frac"] < 1
+    for name, w in w_fused.items():
+        torch.testing.assert_close(w, w_recomputed[name], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("overrides", [
