@@ -1,5 +1,5 @@
 """`async-rlhf bench` on a tiny configuration: it runs the stage bounds and two whole jobs
-(k = 0 and k = 1) and writes well-formed bench.json, bench.md and bench.png. Not a timing test:
+(k = 0 and k = 2) and writes well-formed bench.json, bench.md and bench.png. Not a timing test:
 throughput figures are only checked to be positive and finite."""
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ def test_bench_tiny_writes_outputs(tmp_path: Path, tiny_actor_model: Path):
     out = tmp_path / "bench"
     env = {**os.environ, "ASYNC_RLHF_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "async_rlhf.cli", "bench", "--config", str(config), "--out", str(out),
-           "--staleness", "0,1", "--generators", "1", "--no-colocated", "--steps", "2", "--warmup", "1",
+           "--staleness", "0,2", "--generators", "1", "--no-colocated", "--steps", "2", "--warmup", "1",
            "--bound-steps", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
 
     report = json.loads((out / "bench.json").read_text())
     assert [(r["placement"], r["max_staleness"], r["generators"]) for r in report["runs"]] == [
-        ("dedicated", 0, 1), ("dedicated", 1, 1)]
+        ("dedicated", 0, 1), ("dedicated", 2, 1)]
     for r in report["runs"]:
         for key in RUN_KEYS:
             assert key in r, key
@@ -50,14 +50,19 @@ def test_bench_tiny_writes_outputs(tmp_path: Path, tiny_actor_model: Path):
         assert 0 <= r["reward_final"] <= 1
         assert sum(r["staleness_hist"].values()) == 2 * 8  # timed steps x batch
         assert max(int(k) for k in r["staleness_hist"]) <= r["max_staleness"]
-        assert len(r["reward_curve"]) == 3 and r["accounting"]["lost"] == 0
+        assert r["accounting"]["lost"] == 0
+        curve = r["policy_curve"]  # one point per generating version, the first the initial policy
+        assert curve[0]["version"] == 0 and curve[0]["samples"] == 0
+        assert all(a["version"] < b["version"] and a["samples"] < b["samples"] for a, b in zip(curve, curve[1:]))
+        assert curve[-1]["version"] <= 2 and all(0 <= p["reward"] <= 1 for p in curve)
     bounds = report["bounds"]
     assert bounds["gen"]["samples_per_s"] > 0 and bounds["train"]["samples_per_s"] > 0
     assert bounds["min_samples_per_s"] == min(bounds["gen"]["samples_per_s"], bounds["train"]["samples_per_s"])
-    assert {"speedup_vs_sync_same_placement", "fraction_of_bound"} <= set(report["verdicts"])
+    assert {"speedup_vs_sync_same_placement", "fraction_of_bound", "reward_per_sample_k2_over_k0_g1"} <= set(
+        report["verdicts"])
 
     table = (out / "bench.md").read_text()
-    assert "| dedicated-k0-g1 |" in table and "| dedicated-k1-g1 |" in table
+    assert "| dedicated-k0-g1 |" in table and "| dedicated-k2-g1 |" in table
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for name in ("dedicated-k0-g1", "dedicated-k1-g1"):  # each setting is a whole job of its own
+    for name in ("dedicated-k0-g1", "dedicated-k2-g1"):  # each setting is a whole job of its own
         assert (out / "runs" / name / "summary.json").is_file()
