@@ -147,9 +147,10 @@ class QueueConfig(_Section):
     max_backlog: int = 4096  # producers wait while more entries than this are unconsumed
     durable: bool = False  # embedded Redis with AOF everysec
     claim_idle_ms: int = 30_000  # pending entries idle this long are reclaimed from dead consumers
+    max_deliveries: int = 3  # an entry delivered more often without an ack is dead-lettered
 
     def _validate(self) -> None:
-        self._positive("max_backlog", "claim_idle_ms")
+        self._positive("max_backlog", "claim_idle_ms", "max_deliveries")
 
 
 @dataclass(frozen=True)

@@ -330,7 +330,7 @@ _EVENTS = ("produced", "reclaimed", "ack_lost", "set_aside")
 
 
 def _outcomes(counters: dict[str, int]) -> dict[str, int]:
-    """Where entries went: trained, dropped_stale, dead_lettered, invalid_<reason>, ..."""
+    """Where entries went: trained, dropped_stale, dead_lettered, any other ack reason."""
     return {k: v for k, v in counters.items() if not k.startswith(_EVENTS)}
 
 
@@ -348,7 +348,7 @@ def accounting(queue: RedisExperienceQueue) -> dict[str, Any]:
         "trained": outcomes.pop("trained", 0),
         "dropped_stale": outcomes.pop("dropped_stale", 0),
         "dead_lettered": outcomes.pop("dead_lettered", 0),
-        "dropped_invalid": outcomes,  # learner-side checks, by reason (e.g. invalid_token_id)
+        "acked_other": outcomes,  # acked under another reason by a consumer of our own
         "left_in_queue": stats.backlog + stats.pending,
         "set_aside": {k: v for k, v in c.items() if k.startswith("set_aside:")},  # never produced
         "counters": c,

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from async_rlhf.types import Prompt, Received, Sample, Trajectory
+from async_rlhf.types import Prompt, Received, Sample, Trajectory, TrajectoryError
 
 
 class GenerationEngine(Protocol):
@@ -75,6 +75,11 @@ class ExperienceQueue(Protocol):
         learner calls `renew` just before its optimizer step, trains only on the ids it
         returns, and acks them within the claim timeout of that call (see
         buffer/redis_stream.py)."""
+        ...
+
+    def reject(self, rejected: Sequence[tuple[Received, TrajectoryError]]) -> None:
+        """Set aside received entries that cannot be trained on (bytes and reason kept, counted
+        `dead_lettered`): the learner's own checks, e.g. a token id outside its vocabulary."""
         ...
 
     def dead_letter(self, reason: str, detail: str, payload: bytes = b"") -> None:

@@ -11,9 +11,11 @@ Keys, for stream name S:
 Lifecycle of an entry: `put` XADDs it; `get` delivers it to one consumer (XREADGROUP, or
 XAUTOCLAIM once it has been idle for claim_idle_ms in the hands of another consumer, presumed
 dead); `ack(ids, reason)` removes it (XACK + XDEL, so memory stays bounded) and counts the
-reason. Entries that do not decode or validate go to S:dead, acked and counted in one atomic
-step (a Lua script, which also checks ownership as below). Nothing is ever trimmed from S:
-producers wait instead (backpressure). Because every ack also deletes, XLEN(S) = undelivered +
+reason. Entries that do not decode or validate, that a consumer `reject`s (the learner: a token
+outside its vocabulary, say), or that were delivered more than max_deliveries times without an
+ack (a poison entry that crashes every consumer) go to S:dead with their bytes, acked and
+counted `dead_lettered` in one atomic step (a Lua script, which also checks ownership as below).
+Nothing is ever trimmed from S: producers wait instead (backpressure). Because every ack also deletes, XLEN(S) = undelivered +
 pending, so backlog = XLEN - pending works on Redis 6.2 and 7 alike; consumers of S must all
 use this class (a bare XACK without XDEL would count as backlog forever).
 
@@ -147,15 +149,16 @@ class RedisExperienceQueue:
         group: str = "learners",
         max_backlog: int = 4096,
         claim_idle_ms: int = 30_000,
+        max_deliveries: int = 3,
         dead_letter_maxlen: int = 10_000,
         put_chunk: int = 512,
     ):
         if client.get_encoder().decode_responses:
             raise ValueError("RedisExperienceQueue needs a client with decode_responses=False")
-        if max_backlog <= 0 or claim_idle_ms <= 0 or put_chunk <= 0:
+        if min(max_backlog, claim_idle_ms, max_deliveries, put_chunk) <= 0:
             raise ValueError(
-                f"max_backlog ({max_backlog}), claim_idle_ms ({claim_idle_ms}) and put_chunk "
-                f"({put_chunk}) must be > 0"
+                f"max_backlog ({max_backlog}), claim_idle_ms ({claim_idle_ms}), max_deliveries "
+                f"({max_deliveries}) and put_chunk ({put_chunk}) must be > 0"
             )
         if not consumer:
             raise ValueError("consumer must be a non-empty name unique to this process")
@@ -164,6 +167,7 @@ class RedisExperienceQueue:
         self.stream, self.group = stream, group
         self.dead_stream, self.counters_key = f"{stream}:dead", f"{stream}:counters"
         self.max_backlog, self.claim_idle_ms = max_backlog, claim_idle_ms
+        self.max_deliveries = max_deliveries
         self.dead_letter_maxlen, self.put_chunk = dead_letter_maxlen, put_chunk
         self._ack_script = client.register_script(_ACK)
         self._renew_script = client.register_script(_RENEW)
@@ -183,6 +187,7 @@ class RedisExperienceQueue:
         return cls(
             redis.Redis.from_url(url, decode_responses=False), consumer, stream=cfg.stream,
             group=cfg.group, max_backlog=cfg.max_backlog, claim_idle_ms=cfg.claim_idle_ms,
+            max_deliveries=cfg.max_deliveries,
         )
 
     # -- producer side ---------------------------------------------------------------------
@@ -252,11 +257,25 @@ class RedisExperienceQueue:
             for entry_id, fields in reply[1]
             if fields is not None and entry_id.decode() not in self._held
         ]
-        if fresh:
-            self._r.hincrby(self.counters_key, "reclaimed", len(fresh))
-            log.info("reclaimed %d entries idle > %d ms from other consumers", len(fresh),
-                     self.claim_idle_ms)
-        return fresh
+        if not fresh:
+            return fresh
+        self._r.hincrby(self.counters_key, "reclaimed", len(fresh))
+        log.info("reclaimed %d entries idle > %d ms from other consumers", len(fresh), self.claim_idle_ms)
+        pipe = self._r.pipeline(transaction=False)
+        for entry_id, _ in fresh:
+            pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
+        keep, poison = [], []
+        for (entry_id, data), pending in zip(fresh, pipe.execute()):
+            n = pending[0]["times_delivered"] if pending else 0
+            if n <= self.max_deliveries:
+                keep.append((entry_id, data))
+            else:
+                why = (f"delivered {n} times (queue.max_deliveries={self.max_deliveries}) and never "
+                       "acked: its consumers died or stalled on it each time")
+                poison.append((entry_id.decode(), TrajectoryError("max_deliveries", why), data))
+        if poison:
+            self._dead_letter(poison)
+        return keep
 
     def get(self, count: int, block_ms: int = 1000) -> list[Received]:
         """Up to `count` entries: those idle > claim_idle_ms in another consumer's hands if
@@ -284,6 +303,13 @@ class RedisExperienceQueue:
         if bad:
             self._dead_letter(bad)
         return out
+
+    def reject(self, rejected: Sequence[tuple[Received, TrajectoryError]]) -> None:
+        """Move received entries that cannot be trained on to S:dead, with their bytes and
+        reason, counted `dead_lettered` (only those this consumer still owns)."""
+        if rejected:
+            self._dead_letter([(r.entry_id, err, encode(r.trajectory)) for r, err in rejected])
+            self._held.difference_update(r.entry_id for r, _ in rejected)
 
     def _dead_letter(self, bad: list[tuple[str, TrajectoryError, bytes]]) -> None:
         args: list = [self.group, self.consumer, self.dead_letter_maxlen]

@@ -288,25 +288,29 @@ class Learner:
         return items, first_use
 
     def _admit(self, received: Sequence[Received]) -> list[Received]:
-        """Keep what is valid and fresh enough; ack the rest with a counted reason."""
-        keep = []
+        """Keep what is valid and fresh enough: ack the stale with a counted reason, and move
+        what this learner cannot train on to the dead-letter stream, bytes and reason kept."""
+        keep, rejected = [], []
         for r in received:
             try:
-                r.trajectory.validate()
-                self._check_tokens(r.trajectory)
+                self._check(r.trajectory)
             except TrajectoryError as e:
-                self._drop(r.entry_id, f"invalid_{e.reason}")
+                rejected.append((r, e))
                 continue
             if self.version - r.trajectory.policy_version > self.max_staleness:
                 self._drop(r.entry_id, "dropped_stale")
                 continue
-            if r.trajectory.policy_version > self.version:  # another run's, on a shared stream
-                self._drop(r.entry_id, "invalid_future_version")
-                continue
             keep.append(r)
+        if rejected:
+            self.queue.reject(rejected)
+            self.counters.update(f"rejected_{e.reason}" for _, e in rejected)
         return keep
 
-    def _check_tokens(self, t) -> None:
+    def _check(self, t) -> None:
+        t.validate()
+        if t.policy_version > self.version:
+            raise TrajectoryError("future_version", f"policy_version {t.policy_version} is ahead of the "
+                                  f"learner's {self.version}: another run's data on this stream?")
         if len(t.prompt_ids) == 0:
             raise TrajectoryError("empty_prompt", "the learner needs at least one prompt token")
         top = int(max(t.prompt_ids.max(), t.response_ids.max()))

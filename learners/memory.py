@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from async_rlhf.protocols import QueueStats, ReplayDraw
-from async_rlhf.types import Received, Trajectory
+from async_rlhf.types import Received, Trajectory, TrajectoryError
 
 # model shapes for the presets (the "small" one is ~30M parameters with a 8192 vocabulary)
 PRESETS = {
@@ -88,6 +88,9 @@ class PreloadedQueue:
 
     def renew(self, entry_ids: Sequence[str]) -> list[str]:
         return list(entry_ids)
+
+    def reject(self, rejected: Sequence[tuple[Received, TrajectoryError]]) -> None:
+        raise RuntimeError(f"bench-learner data was rejected: {rejected[0][1]}")
 
     def dead_letter(self, reason: str, detail: str, payload: bytes = b"") -> None:
         raise RuntimeError(f"bench-learner data was set aside ({reason}: {detail})")

@@ -13,6 +13,7 @@ import torch
 
 from async_rlhf.config import LearnerConfig
 from async_rlhf.types import Received
+from buffer.codec import decode
 from buffer.redis_stream import RedisExperienceQueue
 from buffer.replay import StalenessReplay
 from learners.advantages import grpo_advantages
@@ -124,13 +125,15 @@ def test_stale_and_malformed_trajectories_are_acked_with_a_reason_not_trained(ma
     learner.version = 3
     metrics = learner.step()
     # NaN/inf fail validation as the stream decodes them: dead-lettered there, with their reason;
-    # a token id outside the vocabulary is valid on the wire, so the learner acks it
+    # a token id outside the vocabulary is valid on the wire: the learner rejects it to the same
+    # dead-letter stream, with its bytes
     stats = queue.stats()
-    assert stats.counters == {"produced": 15, "dropped_stale": 4, "trained": 8, "dead_lettered": 2,
-                              "invalid_token_id": 1}
+    assert stats.counters == {"produced": 15, "dropped_stale": 4, "trained": 8, "dead_lettered": 3}
     assert stats.pending == stats.backlog == 0
-    assert sorted(d.reason for d in queue.dead_letters()) == ["non_finite_logprob", "non_finite_reward"]
-    assert metrics["count_dropped_stale"] == 4 and metrics["count_invalid_token_id"] == 1
+    dead = {d.reason: d for d in queue.dead_letters()}
+    assert sorted(dead) == ["non_finite_logprob", "non_finite_reward", "token_id"]
+    assert np.array_equal(decode(dead["token_id"].raw).response_ids, bad_token.response_ids)
+    assert metrics["count_dropped_stale"] == 4 and metrics["count_rejected_token_id"] == 1
     assert metrics["staleness_hist"] == {0: 8}
     mean_reward = sum(t.reward for t in fresh) / len(fresh)
     assert metrics["reward_by_version"] == {3: [8, pytest.approx(mean_reward, abs=1e-6)]}

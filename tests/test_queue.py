@@ -149,6 +149,28 @@ def test_stalled_consumer_cannot_ack_what_was_reclaimed(make_queue):
     assert stats.counters == {"produced": 4, "reclaimed": 4, "ack_lost": 4, "trained": 4}
 
 
+def test_an_entry_never_acked_is_dead_lettered_after_max_deliveries(make_queue):
+    """A poison entry (its consumers keep dying on it) stops going round: after max_deliveries
+    deliveries the next reclaim moves it to the dead-letter stream with its bytes."""
+    poison, good = traj(1), traj(2)
+    make_queue("generator-0").put([poison])
+    consumers = [make_queue(f"learner-{i}", claim_idle_ms=1, max_deliveries=2) for i in range(3)]
+    assert len(consumers[0].get(5, block_ms=0)) == 1  # delivery 1: learner-0 dies on it
+    time.sleep(0.05)
+    assert len(consumers[1].get(5, block_ms=0)) == 1  # delivery 2 (reclaimed): learner-1 dies too
+    make_queue("generator-0").put([good])
+    time.sleep(0.05)
+    got = consumers[2].get(5, block_ms=0)  # delivery 3 > 2: set aside; new entries flow
+    assert [r.trajectory.reward for r in got] == [good.reward]
+    [dead] = consumers[2].dead_letters()
+    assert dead.reason == "max_deliveries" and "delivered 3 times" in dead.detail
+    assert dead.raw == encode(poison)
+    consumers[2].ack([r.entry_id for r in got])
+    stats = consumers[2].stats()
+    assert stats.pending == stats.backlog == 0
+    assert stats.counters == {"produced": 2, "reclaimed": 2, "dead_lettered": 1, "trained": 1}
+
+
 def test_renew_keeps_entries_and_own_idle_entries_are_not_redelivered(make_queue):
     make_queue("generator-0").put([traj(i) for i in range(3)])
     queue = make_queue(claim_idle_ms=1)
