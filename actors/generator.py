@@ -216,17 +216,18 @@ def make_generator(
     """Generator number `index` of a job: its engine, prompt stream and scorer from `cfg`.
 
     The model directory must exist (the launcher calls actors.model_init.ensure_model once)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from actors.engines import make_engine
     from actors.prompts import make_prompt_stream
 
     g = cfg.generator
-    engine = engine or make_engine(g, cfg.model.path, seed=cfg.seed + index, device=device)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    context = AutoConfig.from_pretrained(cfg.model.path).max_position_embeddings
+    prompts = make_prompt_stream(cfg.data, AutoTokenizer.from_pretrained(cfg.model.path), seed=cfg.seed,
+                                 stream=index, max_tokens=context - g.max_new_tokens)
     return Generator(
-        engine,
-        make_prompt_stream(cfg.data, tokenizer, seed=cfg.seed, stream=index),
+        engine or make_engine(g, cfg.model.path, seed=cfg.seed + index, device=device),
+        prompts,
         Scorer.from_specs(cfg.rewards),
         queue,
         gate,

@@ -9,11 +9,16 @@ shuffled deterministically from (seed, epoch), so two runs with the same seed se
     dataset_dict.json; a DatasetDict contributes its "train" split); needs `pip install datasets`;
   - otherwise every *.jsonl file in it (sorted by name), one JSON object per line.
 Records need `data.prompt_key`; `data.answer_key` is optional ("" when absent).
+
+Prompts longer than `max_tokens` (the generator passes the model's context minus
+generator.max_new_tokens) are skipped with a warning that says how many and the fix; when none
+is left, that is an error. The records themselves stay where they are.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,6 +26,8 @@ from typing import Any
 
 from async_rlhf.config import DataConfig
 from async_rlhf.types import Prompt
+
+log = logging.getLogger(__name__)
 
 TASK_POOL_SIZE = 4096  # records generated for a built-in task (an epoch of the task source)
 
@@ -95,12 +102,13 @@ class PromptStream:
 
     def __init__(
         self, records: Sequence[tuple[str, str]], tokenizer, *, seed: int = 0, stream: int = 0,
-        name: str = "prompts",
+        name: str = "prompts", max_tokens: int | None = None,
     ):
-        """`stream` varies the order only (give each generator its own), `seed` the order too."""
+        """`stream` varies the order only (give each generator its own), `seed` the order too;
+        prompts over `max_tokens` tokens are skipped (see the module docstring)."""
         if not records:
             raise ValueError("a prompt stream needs at least one record")
-        self.prompts = [
+        prompts = [
             Prompt(
                 prompt_id=f"{name}:{i}",
                 token_ids=tuple(tokenizer(text)["input_ids"]),
@@ -109,6 +117,15 @@ class PromptStream:
             )
             for i, (text, answer) in enumerate(records)
         ]
+        self.prompts = [p for p in prompts if max_tokens is None or len(p.token_ids) <= max_tokens]
+        if len(self.prompts) < len(prompts):
+            longest = max(len(p.token_ids) for p in prompts)
+            msg = (f"{len(prompts) - len(self.prompts)} of {len(prompts)} prompts of {name} are longer "
+                   f"than {max_tokens} tokens (the model's context minus generator.max_new_tokens; the "
+                   f"longest has {longest})")
+            if not self.prompts:
+                raise ValueError(f"{msg}: none is left; shorten the prompts or lower generator.max_new_tokens")
+            log.warning("%s: skipped; shorten them or lower generator.max_new_tokens to use them", msg)
         self.seed = seed
         self.stream = stream
         self.epoch = 0
@@ -132,7 +149,9 @@ class PromptStream:
         return [next(self) for _ in range(count)]
 
 
-def make_prompt_stream(data: DataConfig, tokenizer, seed: int = 0, stream: int = 0) -> PromptStream:
+def make_prompt_stream(data: DataConfig, tokenizer, seed: int = 0, stream: int = 0,
+                       max_tokens: int | None = None) -> PromptStream:
     """The prompts `data` names; generators share `seed` (same records) and differ in `stream`."""
     name = data.task if data.source == "task" else Path(data.path).stem
-    return PromptStream(load_records(data, seed), tokenizer, seed=seed, stream=stream, name=name)
+    return PromptStream(load_records(data, seed), tokenizer, seed=seed, stream=stream, name=name,
+                        max_tokens=max_tokens)

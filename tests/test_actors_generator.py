@@ -1,6 +1,7 @@
 """The generator loop with the real vLLM CPU engine: staleness admission, version stamps, weight
 updates at the safe point, and rewards that raise or return NaN set aside while the loop goes on."""
 
+import dataclasses
 import json
 import math
 import threading
@@ -153,6 +154,10 @@ def test_make_generator_from_config(tiny_actor_model):
     assert all(t.reward_parts.keys() == {"actors.tasks:score"} for t in queue.items)
     assert all(np.isfinite(t.behavior_logprobs).all() for t in queue.items)
     assert torch.get_num_threads() >= 1
+    # prompts that cannot fit the model's context with max_new_tokens: an error naming the fix
+    too_long = dataclasses.replace(cfg, generator=dataclasses.replace(cfg.generator, max_new_tokens=250))
+    with pytest.raises(ValueError, match="longer than 6 tokens .* lower generator.max_new_tokens"):
+        make_generator(too_long, queue, EngineGate(gate, lambda: 0))
 
 
 @pytest.mark.slow

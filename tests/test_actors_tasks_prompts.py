@@ -87,6 +87,16 @@ def test_jsonl_source(tmp_path, tok):
         load_records(DataConfig(source="jsonl", path=str(path)))
 
 
+def test_prompts_over_the_context_are_skipped_with_the_fix_named(tok, caplog):
+    records = [("copy 12=", "12"), ("copy " + "7" * 40 + "=", ""), ("copy 3=", "3")]
+    stream = PromptStream(records, tok, name="p", max_tokens=20)
+    assert sorted(p.text for p in stream.prompts) == ["copy 12=", "copy 3="]
+    assert "1 of 3 prompts of p are longer than 20 tokens" in caplog.text
+    assert "lower generator.max_new_tokens" in caplog.text
+    with pytest.raises(ValueError, match=r"3 of 3 prompts .* none is left; shorten the prompts"):
+        PromptStream(records, tok, name="p", max_tokens=3)
+
+
 def test_dataset_directory_of_jsonl(tmp_path, tok):
     (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "copy 2=", "answer": "2"}) + "\n")
     (tmp_path / "a.jsonl").write_text(json.dumps({"prompt": "copy 1=", "answer": "1"}) + "\n")
