@@ -91,6 +91,13 @@ end
 return owned
 """
 
+# KEYS: stream. ARGV: group, consumer, min idle ms, cursor, count -> {next cursor, ids, ...}.
+# JUSTID: the claim alone does not count as a delivery (redis-py would drop the cursor of a
+# JUSTID reply, hence a script).
+_AUTOCLAIM_IDS = """
+return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5], 'JUSTID')
+"""
+
 # KEYS: stream, dead, counters. ARGV: group, consumer, maxlen, then (id, reason, detail, raw)...
 _DEAD_LETTER = """
 local n = 0
@@ -172,6 +179,7 @@ class RedisExperienceQueue:
         self._ack_script = client.register_script(_ACK)
         self._renew_script = client.register_script(_RENEW)
         self._dead_script = client.register_script(_DEAD_LETTER)
+        self._autoclaim_script = client.register_script(_AUTOCLAIM_IDS)
         self._claim_cursor = b"0-0"
         self._held: set[str] = set()  # delivered to this consumer, not yet acked
         try:
@@ -244,29 +252,30 @@ class RedisExperienceQueue:
     # -- consumer side ---------------------------------------------------------------------
 
     def _reclaim(self, count: int) -> list[tuple[bytes, bytes]]:
-        """Entries idle > claim_idle_ms in other consumers' hands, now this consumer's."""
-        reply = self._r.xautoclaim(
-            self.stream, self.group, self.consumer, self.claim_idle_ms,
-            start_id=self._claim_cursor, count=count,
-        )
-        self._claim_cursor = reply[0]
-        # Skip entries deleted while pending (Redis 6.2 reports them as nil) and our own that
-        # idled too long: we still hold those (XAUTOCLAIM just reset their idle time).
-        fresh = [
-            (entry_id, fields.get(FIELD, b""))
-            for entry_id, fields in reply[1]
-            if fields is not None and entry_id.decode() not in self._held
-        ]
-        if not fresh:
-            return fresh
-        self._r.hincrby(self.counters_key, "reclaimed", len(fresh))
-        log.info("reclaimed %d entries idle > %d ms from other consumers", len(fresh), self.claim_idle_ms)
+        """Entries idle > claim_idle_ms in other consumers' hands, now this consumer's; those
+        delivered more than max_deliveries times go to S:dead instead.
+
+        Our own held entries that idled that long (a learner keeps some in its replay) are
+        claimed by ids only, which resets their idle time without counting a delivery; the rest
+        are then claimed with their data, which counts one, so the count a restarted consumer
+        sees is the number of real deliveries."""
+        cursor, ids, *_ = self._autoclaim_script(
+            keys=[self.stream], args=[self.group, self.consumer, self.claim_idle_ms, self._claim_cursor, count])
+        self._claim_cursor = cursor
+        ids = [i for i in ids if i.decode() not in self._held]
+        if not ids:
+            return []
         pipe = self._r.pipeline(transaction=False)
-        for entry_id, _ in fresh:
+        pipe.xclaim(self.stream, self.group, self.consumer, 0, ids)
+        for entry_id in ids:
             pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
+        claimed, *pending = pipe.execute()
+        deliveries = {p[0]["message_id"]: p[0]["times_delivered"] for p in pending if p}
         keep, poison = [], []
-        for (entry_id, data), pending in zip(fresh, pipe.execute()):
-            n = pending[0]["times_delivered"] if pending else 0
+        for entry_id, fields in claimed:
+            if fields is None:  # deleted while pending (Redis 6.2 reports it as nil)
+                continue
+            data, n = fields.get(FIELD, b""), deliveries.get(entry_id, 0)
             if n <= self.max_deliveries:
                 keep.append((entry_id, data))
             else:
@@ -275,6 +284,9 @@ class RedisExperienceQueue:
                 poison.append((entry_id.decode(), TrajectoryError("max_deliveries", why), data))
         if poison:
             self._dead_letter(poison)
+        if keep:
+            self._r.hincrby(self.counters_key, "reclaimed", len(keep))
+            log.info("reclaimed %d entries idle > %d ms from other consumers", len(keep), self.claim_idle_ms)
         return keep
 
     def get(self, count: int, block_ms: int = 1000) -> list[Received]:

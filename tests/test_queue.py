@@ -168,7 +168,23 @@ def test_an_entry_never_acked_is_dead_lettered_after_max_deliveries(make_queue):
     consumers[2].ack([r.entry_id for r in got])
     stats = consumers[2].stats()
     assert stats.pending == stats.backlog == 0
-    assert stats.counters == {"produced": 2, "reclaimed": 2, "dead_lettered": 1, "trained": 1}
+    assert stats.counters == {"produced": 2, "reclaimed": 1, "dead_lettered": 1, "trained": 1}
+
+
+def test_own_idle_entries_do_not_count_as_deliveries(make_queue):
+    """An entry a learner holds (in its replay) past claim_idle_ms is claimed back by its own
+    get() again and again; none of that counts, so after a restart under the same name it is
+    delivered once more, not taken for a poison entry."""
+    make_queue("generator-0").put([traj(1)])
+    queue = make_queue("learner-0", claim_idle_ms=1, max_deliveries=2)
+    [held] = queue.get(5, block_ms=0)
+    for _ in range(4):
+        time.sleep(0.01)
+        assert queue.get(5, block_ms=0) == []
+    restarted = make_queue("learner-0", claim_idle_ms=1, max_deliveries=2)  # after a crash
+    time.sleep(0.01)
+    [again] = restarted.get(5, block_ms=0)
+    assert again.entry_id == held.entry_id and restarted.dead_letters() == []
 
 
 def test_renew_keeps_entries_and_own_idle_entries_are_not_redelivered(make_queue):
