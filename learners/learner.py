@@ -14,8 +14,8 @@ replay=None, publisher=None.
 
 Per step (one policy version): wait for a batch (dropping, with an ack and a count, anything
 staler than max_staleness) -> recompute pi_prox (and reference, critic) on each rank's rows
-(pi_prox only when the batch takes several optimizer steps or feeds a KL reward; with one step
-it is the training forward's own log-probs, detached) -> advantages -> `minibatches` optimizer steps of micro-batches -> ack first uses as "trained" ->
+(pi_prox only when the batch takes several optimizer steps, feeds a KL reward or the model has
+dropout; otherwise it is the training forward's own log-probs, detached) -> advantages -> `minibatches` optimizer steps of micro-batches -> ack first uses as "trained" ->
 version += 1 -> gather full weights and publish them (rank 0) -> checkpoint when due.
 A crash after an ack but before the next checkpoint loses those updates, not the run: resume
 restarts from the checkpoint with its version and counters, and trains on fresh experience.
@@ -114,6 +114,16 @@ class Batch:
         return Batch(**out)
 
 
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether training mode adds dropout: an nn.Dropout with p > 0, or a config rate > 0 (Llama
+    and kin apply attention dropout functionally, from config.attention_dropout)."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    rates = config.to_dict().items() if config is not None else ()
+    return any(("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0 for k, v in rates)
+
+
 def _reward_by_version(batch: Batch) -> dict[int, list]:
     """{generating policy version: [samples, mean reward]}: the reward each policy earned, which
     a staleness-lagged batch mean blurs across versions."""
@@ -163,9 +173,11 @@ class Learner:
         self._vocab = backend.engine.module.config.vocab_size
         # With one optimizer step per batch, pi_prox (the weights before this step) is what the
         # training forward computes: take it detached there (as TRL does for num_iterations=1)
-        # rather than in a separate pass, a fifth of the step. A KL-in-reward needs it earlier.
+        # rather than in a separate pass, a fifth of the step. A KL-in-reward needs it earlier;
+        # with dropout the training forward is noisy and the (eval-mode) pass stays.
         self.prox_from_forward = (cfg.ratio_to == "prox" and cfg.minibatches == 1
-                                  and not (cfg.kl_mode == "reward" and backend.reference is not None))
+                                  and not (cfg.kl_mode == "reward" and backend.reference is not None)
+                                  and not has_dropout(backend.engine.module))
 
     # -- the loop --------------------------------------------------------------------------
     def train(self, steps: int | None = None) -> list[dict]:
@@ -310,7 +322,8 @@ class Learner:
         t.validate()
         if t.policy_version > self.version:
             raise TrajectoryError("future_version", f"policy_version {t.policy_version} is ahead of the "
-                                  f"learner's {self.version}: another run's data on this stream?")
+                                  f"learner's {self.version}: made after the checkpoint this run resumed "
+                                  "from, or another run's data on this stream")
         if len(t.prompt_ids) == 0:
             raise TrajectoryError("empty_prompt", "the learner needs at least one prompt token")
         top = int(max(t.prompt_ids.max(), t.response_ids.max()))

@@ -195,6 +195,19 @@ def test_pi_prox_from_the_training_forward_gives_the_recomputed_update(make_lear
         torch.testing.assert_close(w, w_recomputed[name], rtol=0, atol=1e-6)
 
 
+def test_dropout_keeps_the_separate_pi_prox_pass():
+    from learners.learner import has_dropout
+    from learners.memory import build_llama
+
+    model = build_llama("tiny", seed=0)
+    assert not has_dropout(model)
+    model.config.attention_dropout = 0.1  # applied functionally in Llama's attention
+    assert has_dropout(model)
+    model.config.attention_dropout = 0.0
+    model.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Dropout(0.1))
+    assert has_dropout(model)
+
+
 @pytest.mark.parametrize("overrides", [
     dict(advantage="gae", kl_coef=0.1, kl_mode="reward", critic_lr=1e-3),
     dict(advantage="reinforce_pp", kl_coef=0.1, kl_estimator="k2", gamma=0.9, entropy_coef=0.01),
