@@ -159,11 +159,17 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+# torch.distributed rendezvous variables: a child is a lone process or a whole job of its own,
+# never a member of a group this process (or the shell, under torchrun or SLURM) set up.
+_RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _spawn(argv: list[str], log_path: Path, timeout_s: float) -> int:
     """Run a child to completion; if we are interrupted or it overruns, stop it (SIGTERM: a job
     stops its generators and Ray cleanly) before going on."""
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     with log_path.open("w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             return proc.wait(timeout_s)
         except BaseException:
@@ -325,10 +331,15 @@ def verdicts(runs: list[dict], bounds: dict) -> dict[str, Any]:
         k0 = next((r for r in sync if r["generators"] == g), None)
         k2 = next((r for r in runs if r["placement"] == "dedicated" and r["max_staleness"] == 2
                    and r["generators"] == g), None)
-        if k0 and k2 and k0["reward_final"]:
-            v[f"reward_k2_over_k0_g{g}"] = k2["reward_final"] / k0["reward_final"]
-            v[f"reward_per_sample_k2_over_k0_g{g}"] = _reward_per_sample(k2, k0) / _reward_per_sample(k0, k2)
+        if k0 and k2:
+            v[f"reward_k2_over_k0_g{g}"] = _ratio(k2["reward_final"], k0["reward_final"])
+            v[f"reward_per_sample_k2_over_k0_g{g}"] = _ratio(_reward_per_sample(k2, k0),
+                                                              _reward_per_sample(k0, k2))
     return v
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
 
 
 def _reward_per_sample(run: dict, other: dict) -> float:
@@ -337,7 +348,7 @@ def _reward_per_sample(run: dict, other: dict) -> float:
     batch's mean reward would instead lag by the batch's staleness)."""
     common = {p["version"] for p in other["policy_curve"]}
     rewards = [p["reward"] for p in run["policy_curve"] if p["version"] in common]
-    return sum(rewards) / len(rewards)
+    return sum(rewards) / len(rewards) if rewards else float("nan")
 
 
 def write_markdown(report: dict, path: Path) -> None:
@@ -395,7 +406,7 @@ def plot(report: dict, path: Path) -> None:
         axes[1][0].plot([p["samples"] for p in c], [p["reward"] for p in c], label=r["name"])
         axes[1][1].plot([p["time"] for p in c], [p["reward"] for p in c], label=r["name"])
     axes[1][0].set_xlabel("samples trained to make the policy")
-    axes[1][1].set_xlabel("wall time the policy was made, from the job's first step (s)")
+    axes[1][1].set_xlabel("wall time the policy was made, from the job's start (s)")
     for ax in axes[1]:
         ax.set_ylabel("mean reward of the policy's samples")
     axes[1][1].legend(fontsize=7)
@@ -427,7 +438,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {s['samples_per_s']:.2f} samples/s, gen idle {s['gen_idle']:.0%}, learner idle "
               f"{s['learner_idle']:.0%}, staleness {s['staleness_hist']}, reward {s['reward_final']:.3f}, "
               f"load {s['load_before']}->{s['load_after']}", flush=True)
-    bounds = best_bounds([before, measure_bounds(args, out, "after")])
+    try:
+        measured = [before, measure_bounds(args, out, "after")]
+    except RuntimeError as e:  # the settings' results still count: report the first bounds
+        print(f"bounds after the settings failed, keeping those before: {e}", flush=True)
+        measured = [before]
+    bounds = best_bounds(measured)
     for s in runs:
         if s["placement"] == "dedicated":
             s["fraction_of_bound"] = s["samples_per_s"] / bounds["min_samples_per_s"]
