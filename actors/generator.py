@@ -222,9 +222,10 @@ def make_generator(
     from actors.prompts import make_prompt_stream
 
     g = cfg.generator
-    context = AutoConfig.from_pretrained(cfg.model.path).max_position_embeddings
+    model_cfg = AutoConfig.from_pretrained(cfg.model.path)
+    context = getattr(model_cfg, "max_position_embeddings", None) or getattr(model_cfg, "n_positions", None)
     prompts = make_prompt_stream(cfg.data, AutoTokenizer.from_pretrained(cfg.model.path), seed=cfg.seed,
-                                 stream=index, max_tokens=context - g.max_new_tokens)
+                                 stream=index, max_tokens=context and context - g.max_new_tokens)
     return Generator(
         engine or make_engine(g, cfg.model.path, seed=cfg.seed + index, device=device),
         prompts,

@@ -129,7 +129,7 @@ class DeadLetter:
     reason: str  # TrajectoryError.reason: garbage, schema, non_finite_reward, ...
     detail: str
     consumer: str  # who found it
-    raw: bytes  # the entry's bytes, exactly as produced
+    raw: bytes  # the entry's bytes as produced (re-encoded from the trajectory for a `reject`)
 
 
 def _chunks(items: Sequence, size: int) -> Iterable[Sequence]:
@@ -317,7 +317,7 @@ class RedisExperienceQueue:
         return out
 
     def reject(self, rejected: Sequence[tuple[Received, TrajectoryError]]) -> None:
-        """Move received entries that cannot be trained on to S:dead, with their bytes and
+        """Move received entries that cannot be trained on to S:dead, re-encoded, with their
         reason, counted `dead_lettered` (only those this consumer still owns)."""
         if rejected:
             self._dead_letter([(r.entry_id, err, encode(r.trajectory)) for r, err in rejected])
