@@ -124,7 +124,8 @@ class PromptStream:
                    f"than {max_tokens} tokens (the model's context minus generator.max_new_tokens; the "
                    f"longest has {longest})")
             if not self.prompts:
-                raise ValueError(f"{msg}: none is left; shorten the prompts or lower generator.max_new_tokens")
+                raise ValueError(f"{msg}: none is left; shorten the prompts or lower "
+                                 "generator.max_new_tokens")
             log.warning("%s: skipped; shorten them or lower generator.max_new_tokens to use them", msg)
         self.seed = seed
         self.stream = stream

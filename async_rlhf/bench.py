@@ -26,8 +26,9 @@ idle fraction (time waiting for a batch / window), weight-sync share of the step
 histogram, reward at the end (batch mean over the last quarter of steps), the policy curve (the
 mean reward of the samples each policy version generated, against the samples trained to make
 that version and the time it was made) and the fraction of min(bound_gen, bound_train) reached.
-Reward per sample compares the policy curves of k = 2 and k = 0 over the versions both reached. Writes OUT/bench.json, OUT/bench.md,
-OUT/bench.png; each job keeps its own directory under OUT/runs/.
+Reward per sample compares the policy curves of k = 2 and k = 0 over the versions both reached.
+Writes OUT/bench.json, OUT/bench.md, OUT/bench.png; each job keeps its own directory under
+OUT/runs/.
 """
 
 from __future__ import annotations
@@ -198,7 +199,8 @@ def measure_bounds(args: argparse.Namespace, out: Path, when: str) -> dict[str, 
             lines = [l for l in log_path.read_text().splitlines() if l.startswith("BENCH-RESULT ")]
             if code != 0 or not lines:
                 raise RuntimeError(f"{stage} bound failed (exit {code}); see {log_path}")
-            bounds[stage] = {**json.loads(lines[-1][len("BENCH-RESULT "):]), "load_before": load, "when": when}
+            result = json.loads(lines[-1][len("BENCH-RESULT "):])
+            bounds[stage] = {**result, "load_before": load, "when": when}
             print(f"bound {stage} ({when} the settings): {bounds[stage]['samples_per_s']:.2f} samples/s "
                   f"({bounds[stage]['threads']} thread(s), load {load})", flush=True)
     return bounds
@@ -356,8 +358,8 @@ def write_markdown(report: dict, path: Path) -> None:
     lines = [f"# async-rlhf bench: `{report['command']}`", "",
              f"{report['cpus']} cores; {report['timed_steps']} timed learner steps per setting after "
              f"{report['warmup']} warm-up steps; samples per step {report['batch_size']}.", ""]
-    measured = "; ".join(f"{m['gen']['when']}: {m['gen']['samples_per_s']:.2f} and {m['train']['samples_per_s']:.2f}"
-                         for m in b["measurements"])
+    measured = "; ".join(f"{m['gen']['when']}: {m['gen']['samples_per_s']:.2f} and "
+                         f"{m['train']['samples_per_s']:.2f}" for m in b["measurements"])
     lines += [f"Stage bounds (the faster of two measurements; {measured}): generation alone "
               f"{b['gen']['samples_per_s']:.2f} samples/s ({b['gen']['threads']} thread(s)), training alone "
               f"{b['train']['samples_per_s']:.2f} samples/s ({b['train']['threads']} thread(s)); "

@@ -15,9 +15,10 @@ reason. Entries that do not decode or validate, that a consumer `reject`s (the l
 outside its vocabulary, say), or that were delivered more than max_deliveries times without an
 ack (a poison entry that crashes every consumer) go to S:dead with their bytes, acked and
 counted `dead_lettered` in one atomic step (a Lua script, which also checks ownership as below).
-Nothing is ever trimmed from S: producers wait instead (backpressure). Because every ack also deletes, XLEN(S) = undelivered +
-pending, so backlog = XLEN - pending works on Redis 6.2 and 7 alike; consumers of S must all
-use this class (a bare XACK without XDEL would count as backlog forever).
+Nothing is ever trimmed from S: producers wait instead (backpressure). Because every ack also
+deletes, XLEN(S) = undelivered + pending, so backlog = XLEN - pending works on Redis 6.2 and 7
+alike; consumers of S must all use this class (a bare XACK without XDEL would count as backlog
+forever).
 
 Delivery guarantee. Delivery is at-least-once: an entry whose consumer dies (or stalls past
 claim_idle_ms) is delivered again to another. Acknowledgement is exactly-once: `ack`,
@@ -259,8 +260,8 @@ class RedisExperienceQueue:
         claimed by ids only, which resets their idle time without counting a delivery; the rest
         are then claimed with their data, which counts one, so the count a restarted consumer
         sees is the number of real deliveries."""
-        cursor, ids, *_ = self._autoclaim_script(
-            keys=[self.stream], args=[self.group, self.consumer, self.claim_idle_ms, self._claim_cursor, count])
+        cursor, ids, *_ = self._autoclaim_script(keys=[self.stream], args=[
+            self.group, self.consumer, self.claim_idle_ms, self._claim_cursor, count])
         self._claim_cursor = cursor
         ids = [i for i in ids if i.decode() not in self._held]
         if not ids:

@@ -15,8 +15,9 @@ replay=None, publisher=None.
 Per step (one policy version): wait for a batch (dropping, with an ack and a count, anything
 staler than max_staleness) -> recompute pi_prox (and reference, critic) on each rank's rows
 (pi_prox only when the batch takes several optimizer steps, feeds a KL reward or the model has
-dropout; otherwise it is the training forward's own log-probs, detached) -> advantages -> `minibatches` optimizer steps of micro-batches -> ack first uses as "trained" ->
-version += 1 -> gather full weights and publish them (rank 0) -> checkpoint when due.
+dropout; otherwise it is the training forward's own log-probs, detached) -> advantages ->
+`minibatches` optimizer steps of micro-batches -> ack first uses as "trained" -> version += 1 ->
+gather full weights and publish them (rank 0) -> checkpoint when due.
 A crash after an ack but before the next checkpoint loses those updates, not the run: resume
 restarts from the checkpoint with its version and counters, and trains on fresh experience.
 """

@@ -53,7 +53,8 @@ def test_bench_tiny_writes_outputs(tmp_path: Path, tiny_actor_model: Path):
         assert r["accounting"]["lost"] == 0
         curve = r["policy_curve"]  # one point per generating version, the first the initial policy
         assert curve[0]["version"] == 0 and curve[0]["samples"] == 0
-        assert all(a["version"] < b["version"] and a["samples"] < b["samples"] for a, b in zip(curve, curve[1:]))
+        for a, b in zip(curve, curve[1:]):
+            assert a["version"] < b["version"] and a["samples"] < b["samples"]
         assert curve[-1]["version"] <= 2 and all(0 <= p["reward"] <= 1 for p in curve)
     bounds = report["bounds"]
     assert bounds["gen"]["samples_per_s"] > 0 and bounds["train"]["samples_per_s"] > 0
