@@ -13,9 +13,13 @@ How Ray is kept on 127.0.0.1 (Ray 2.60; read from ray/_private/services.py):
   server and agents all listen on 127.0.0.1 only.
 - `ray start` refuses to start a non-head node under that variable, so `start_worker_node` runs
   `ray._private.node.Node(head=False)` itself, which is what `ray start --address` does.
-- Token auth: every process gets `RAY_AUTH_MODE=token` unless the caller set the mode; the token
-  is Ray's default one (`~/.ray/auth_token`, created by the head if missing), so a second driver
-  on this machine needs nothing but the address.
+- Token auth: a local cluster gets a token of its own, made at start (`secrets.token_hex(32)`,
+  as Ray makes them) in a 0600 file inside its 0700 temp dir; every process of the cluster, and
+  every driver that connects with `token_path`, gets `RAY_AUTH_MODE=token` and
+  `RAY_AUTH_TOKEN_PATH` pointing at it. Nothing is read from or written to `~/.ray` (`ray start`
+  would not create `~/.ray/auth_token`: only `ray.init()` does), and another user's job cannot
+  connect to ours. The job registry records the path for second drivers. A cluster we did not
+  start (`--ray-address`) keeps its own auth settings: `connect` then sets nothing.
 
 Processes are started in their own session (`start_new_session`), get SIGTERM if the process
 that started them dies (PR_SET_PDEATHSIG), and are stopped by session: SIGTERM to the leader
@@ -28,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -42,14 +47,21 @@ from async_rlhf.procs import LOOPBACK, die_with_parent, free_port
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 _START_TIMEOUT_S = 60.0
 _STOP_TIMEOUT_S = 15.0
+_TOKEN_FILE = "auth_token"
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-def ray_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment a Ray process on this machine's loopback needs (see module docstring)."""
-    env = dict(os.environ if base is None else base)
+def _use_token(env: dict[str, str] | os._Environ, token_path: Path) -> None:
+    env["RAY_AUTH_MODE"] = "token"
+    env["RAY_AUTH_TOKEN_PATH"] = str(token_path)
+    env.pop("RAY_AUTH_TOKEN", None)  # Ray reads it before the path
+
+
+def ray_env(token_path: Path) -> dict[str, str]:
+    """The environment a Ray process of a local cluster needs (see module docstring)."""
+    env = dict(os.environ)
     env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    env.setdefault("RAY_AUTH_MODE", "token")
+    _use_token(env, token_path)
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # On SIGTERM a node first waits up to 30 s for a drain meant for Ray Serve on Kubernetes
     # (it hung the whole 30 s with a detached actor alive); nothing here needs it.
@@ -128,12 +140,12 @@ class _ProcessSession:
 
 # Run first in the child, then exec the real command: SIGTERM on the death of the thread that
 # started it (PR_SET_PDEATHSIG survives exec). Not a preexec_fn: the driver has threads by then.
-def _spawn(cmd: list[str], log_path: Path) -> _ProcessSession:
+def _spawn(cmd: list[str], log_path: Path, token_path: Path) -> _ProcessSession:
     # Own session so stop() finds every descendant; parent-death signal so a launcher that is
     # SIGKILLed does not leave an orphaned cluster behind.
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            die_with_parent(cmd), env=ray_env(),
+            die_with_parent(cmd), env=ray_env(token_path),
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     return _ProcessSession(proc, log_path)
@@ -184,10 +196,15 @@ class _Node:
 
 @dataclass
 class LocalCluster(_Node):
-    """A Ray head node on 127.0.0.1 started by this process; `address` is what drivers use."""
+    """A Ray head node on 127.0.0.1 started by this process; `address` and `token_path` are
+    what drivers use (`connect`)."""
 
     address: str = ""
     temp_dir: Path = Path()
+
+    @property
+    def token_path(self) -> Path:
+        return self.temp_dir / _TOKEN_FILE
 
     def stop(self) -> None:
         super().stop()
@@ -199,7 +216,11 @@ def start_local_cluster(num_cpus: int, resources: dict[str, float] | None = None
     if num_cpus < 1:
         raise ValueError(f"num_cpus must be >= 1, got {num_cpus}")
     # Unix socket paths must stay under 108 bytes: keep the temp dir short and in /tmp.
-    temp_dir = Path(tempfile.mkdtemp(prefix="arl-ray-", dir="/tmp"))
+    temp_dir = Path(tempfile.mkdtemp(prefix="arl-ray-", dir="/tmp"))  # mode 0700
+    token_path = temp_dir / _TOKEN_FILE
+    fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
     port = free_port()
     cmd = [
         sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
@@ -209,7 +230,7 @@ def start_local_cluster(num_cpus: int, resources: dict[str, float] | None = None
         # Defaults are fixed ports (10001, 52365): a second cluster on the machine would clash.
         f"--ray-client-server-port={free_port()}", "--dashboard-agent-listen-port=0",
     ]
-    group = _spawn(cmd, temp_dir.with_suffix(".log"))
+    group = _spawn(cmd, temp_dir.with_suffix(".log"), token_path)
     try:
         _wait_for_log(group, "Ray runtime started", "ray head node")
     except BaseException:
@@ -240,8 +261,10 @@ class WorkerNode(_Node):
     node_id: str = ""
 
 
-def start_worker_node(address: str, num_cpus: int, resources: dict[str, float]) -> WorkerNode:
-    """Join a raylet on this machine (own ports, loopback) to the cluster at `address`."""
+def start_worker_node(address: str, token_path: Path, num_cpus: int,
+                      resources: dict[str, float]) -> WorkerNode:
+    """Join a raylet on this machine (own ports, loopback) to the cluster at `address`, whose
+    token is in `token_path`."""
     host = address.rsplit(":", 1)[0]
     if host not in _LOOPBACK_HOSTS:
         raise ValueError(f"start_worker_node joins a node on this machine's loopback; got address "
@@ -249,17 +272,19 @@ def start_worker_node(address: str, num_cpus: int, resources: dict[str, float]) 
     log_path = Path(tempfile.mkstemp(prefix="arl-ray-node-", suffix=".log", dir="/tmp")[1])
     cmd = [sys.executable, "-c", _WORKER_NODE_MAIN, f"{LOOPBACK}:{address.rsplit(':', 1)[1]}",
            str(num_cpus), json.dumps(resources)]
-    group = _spawn(cmd, log_path)
+    group = _spawn(cmd, log_path, token_path)
     line = _wait_for_log(group, "WORKER_NODE_READY", f"ray worker node for {address}")
     return WorkerNode(group, node_id=line.split()[-1])
 
 
-def connect(address: str | None, namespace: str, **init_kwargs):
+def connect(address: str | None, namespace: str, token_path: Path | str | None = None, **init_kwargs):
     """Connect this process to a running cluster as a driver in `namespace`; returns ray's context.
 
     `address` is "host:port" of the GCS (`LocalCluster.address`, or the one in the job's record);
-    None uses $RAY_ADDRESS. For a loopback address this sets the loopback switch (see module
-    docstring) in this process, even when ray is already imported.
+    None uses $RAY_ADDRESS. `token_path`: the token file of a cluster we started (None: the
+    cluster's own auth settings, from this process's environment). For a loopback address this
+    sets the loopback switch (see module docstring) in this process, even when ray is already
+    imported.
     """
     address = address or os.environ.get("RAY_ADDRESS")
     if not address:
@@ -267,18 +292,20 @@ def connect(address: str | None, namespace: str, **init_kwargs):
                          "address is in its record: `async-rlhf status --job NAME`")
     ray_was_imported = "ray._raylet" in sys.modules
     loopback = address.rsplit(":", 1)[0] in _LOOPBACK_HOSTS
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if token_path is not None:
+        _use_token(os.environ, Path(token_path))
     if loopback:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
 
     if ray_was_imported:  # both switches are read once, at import: refresh them as Ray does
         from ray._private import ray_constants
-        from ray._raylet import Config
+        from ray._raylet import AuthenticationTokenLoader, Config
 
         if loopback:
             ray_constants.ENABLE_RAY_CLUSTER = False
         Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()  # a new cluster, maybe a new token
 
     init_kwargs.setdefault("logging_level", "WARNING")
     return ray.init(address=address, namespace=namespace, **init_kwargs)

@@ -15,7 +15,7 @@ def _coordinator(job: str):
     from async_rlhf import cluster
 
     info = cluster.read_job_info(job)
-    cluster.connect(info["ray_address"], namespace=info["namespace"])
+    cluster.connect(info["ray_address"], namespace=info["namespace"], token_path=info["ray_token_path"])
     try:
         coordinator = ray.get_actor("coordinator")
         ray.get(coordinator.stop_requested.remote())

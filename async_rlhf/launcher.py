@@ -62,31 +62,24 @@ class Job:
         self.sync_failures = 0
         self.last_metrics: dict[str, Any] = {}
         self.error = ""
+        self.start_time = time.time()
+        self.ray = None  # set by _start_ray; the parts below exist once they have started
+        self.queue: RedisExperienceQueue | None = None
+        self.learners: list[Any] = []
+        self.tb = None
     # -- setup and teardown ----------------------------------------------------------------
     def run(self) -> int:
         from actors.model_init import ensure_model
-        from buffer.redis_server import EmbeddedRedis
 
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         print(f"async-rlhf: job {cfg.job!r}, max_staleness={cfg.max_staleness}, out={self.out}")
         ensure_model(cfg.model.path, cfg.model.preset, seed=cfg.seed)
+        self.start_time = time.time()
         with ExitStack() as stack:
-            if cfg.queue.redis_url:
-                self.redis_url = cfg.queue.redis_url
-            else:
-                redis = stack.enter_context(EmbeddedRedis(self.out / "redis", durable=cfg.queue.durable))
-                self.redis_url = redis.url
-            self.queue = RedisExperienceQueue.from_config(cfg.queue, self.redis_url, consumer="driver")
-            self._check_fresh_stream()
-            self._start_ray()
-            stack.callback(self._shutdown_ray)
-            signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which sets its own
-            # also when started in the background, where shells start us with SIGINT ignored
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            self.start_time = time.time()
-            try:
+            try:  # a part that cannot start ends the job at once, with its cause and a summary
+                self._start_services(stack)
                 self._start_actors()
                 code = self._loop()
             except KeyboardInterrupt:
@@ -98,6 +91,24 @@ class Job:
                 code = 1
             self._finish()
             return code
+
+    def _start_services(self, stack: ExitStack) -> None:
+        """Redis (embedded unless queue.redis_url), the experience stream, Ray."""
+        from buffer.redis_server import EmbeddedRedis
+
+        cfg = self.cfg
+        if cfg.queue.redis_url:
+            self.redis_url = cfg.queue.redis_url
+        else:
+            redis = stack.enter_context(EmbeddedRedis(self.out / "redis", durable=cfg.queue.durable))
+            self.redis_url = redis.url
+        self.queue = RedisExperienceQueue.from_config(cfg.queue, self.redis_url, consumer="driver")
+        self._check_fresh_stream()
+        self._start_ray()
+        stack.callback(self._shutdown_ray)
+        signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which sets its own
+        # also when started in the background, where shells start us with SIGINT ignored
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _check_fresh_stream(self) -> None:
         """A new job must not train on (or count) another run's trajectories."""
@@ -120,14 +131,16 @@ class Job:
             learner, gen = self.cfg.learner, self.cfg.generator
             needed = learner.ranks * learner.threads + gen.count * gen.threads
             self.cluster = cluster.start_local_cluster(num_cpus=needed)
+        address = self.ray_address or self.cluster.address
+        token_path = None if self.cluster is None else str(self.cluster.token_path)
         try:
-            cluster.connect(self.ray_address or self.cluster.address, namespace=self.cfg.job)
+            cluster.connect(address, namespace=self.cfg.job, token_path=token_path)
         except BaseException:
             if self.cluster is not None:
                 self.cluster.stop()
             raise
         cluster.write_job_info(self.cfg.job, {
-            "ray_address": self.ray_address or self.cluster.address, "redis_url": self.redis_url,
+            "ray_address": address, "ray_token_path": token_path, "redis_url": self.redis_url,
             "out": str(self.out.resolve()), "namespace": self.cfg.job,
         })
 
@@ -301,27 +314,29 @@ class Job:
     def _finish(self) -> None:
         """Stop generators, checkpoint and export the policy, and account for every trajectory."""
         ray = self.ray
-        try:  # first: a step in flight completes with the generators still feeding it
-            export = ray.get([l.finish.remote() for l in getattr(self, "learners", [])], timeout=600)
-            print(f"policy exported to {export[0]}" if export else "no learner to checkpoint")
-        except Exception as e:  # noqa: BLE001 - a failed learner must not block the summary
-            log.error("learner checkpoint failed: %s", e)
-            for learner in getattr(self, "learners", []):
-                ray.kill(learner)
+        if self.learners:
+            try:  # first: a step in flight completes with the generators still feeding it
+                export = ray.get([l.finish.remote() for l in self.learners], timeout=600)
+                print(f"policy exported to {export[0]}")
+            except Exception as e:  # noqa: BLE001 - a failed learner must not block the summary
+                log.error("learner checkpoint failed: %s", e)
+                for learner in self.learners:
+                    ray.kill(learner)
         for gid, handle in {**self.generators, **{g: h for g, (h, _) in self.starting.items()}}.items():
             try:
                 self.gen_stats[gid] = ray.get(handle.stop.remote(), timeout=120)
             except Exception as e:  # noqa: BLE001 - a dead generator must not block the summary
                 log.warning("stopping %s: %s", gid, e)
-        summary = accounting(self.queue)
+        summary = accounting(self.queue) if self.queue is not None else {}
         summary["generators"] = list(self.gen_stats.values())
         summary["wall_s"] = time.time() - self.start_time
         if self.error:
             summary["error"] = self.error
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-        if hasattr(self, "tb"):
+        if self.tb is not None:
             self.tb.close()
-        print("summary: " + ", ".join(f"{k}={summary[k]}" for k in ACCOUNTING))
+        print("summary: " + ", ".join(f"{k}={summary[k]}" for k in ACCOUNTING if k in summary)
+              + (f"; error: {self.error.splitlines()[0]}" if self.error else ""))
 
 
 ACCOUNTING = ("produced", "trained", "dropped_stale", "dead_lettered", "left_in_queue", "lost")

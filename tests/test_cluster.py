@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -45,7 +46,7 @@ import sys, time, json
 t0 = time.perf_counter()
 from async_rlhf.cluster import connect
 import ray
-connect(sys.argv[1], namespace="job-a")
+connect(sys.argv[1], namespace="job-a", token_path=sys.argv[2] if len(sys.argv) > 2 else None)
 t1 = time.perf_counter()
 actor = ray.get_actor("pinger")
 print(json.dumps({"reply": ray.get(actor.ping.remote("from-second-driver")),
@@ -79,13 +80,16 @@ def _rss_mib(pids):
 def test_cluster_second_driver_and_worker_node(tmp_path):
     import ray
 
+    ray_home = Path.home() / ".ray"  # an empty HOME (tests/conftest.py): no token file to lean on
+    assert not ray_home.exists()
     t0 = time.perf_counter()
     cluster = start_local_cluster(num_cpus=1)
     start_s = time.perf_counter() - t0
     node = None
     try:
         assert cluster.address.startswith("127.0.0.1:")
-        connect(cluster.address, namespace="job-a")
+        assert stat.S_IMODE(cluster.token_path.stat().st_mode) == 0o600
+        connect(cluster.address, namespace="job-a", token_path=cluster.token_path)
         head_node_id = ray.get_runtime_context().get_node_id()
 
         @ray.remote(num_cpus=0)
@@ -102,17 +106,23 @@ def test_cluster_second_driver_and_worker_node(tmp_path):
         # A second driver in a fresh process finds the named actor given just the address.
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         t_driver = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", SECOND_DRIVER, cluster.address],
+        proc = subprocess.run([sys.executable, "-c", SECOND_DRIVER, cluster.address, cluster.token_path],
                               capture_output=True, text=True, timeout=60, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         driver_s = time.perf_counter() - t_driver
         second = json.loads(proc.stdout.strip().splitlines()[-1])
         assert second["reply"] == "pong from-second-driver"
         assert second["node_ip"] == "127.0.0.1"
+        # Without the job's token (another user, say), a driver is turned away.
+        stranger = subprocess.run([sys.executable, "-c", SECOND_DRIVER, cluster.address],
+                                  capture_output=True, text=True, timeout=60,
+                                  env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64})
+        assert stranger.returncode != 0 and "AuthenticationError" in stranger.stderr, stranger.stderr[-3000:]
 
         print(f"\nfirst actor up {time.perf_counter() - t0:.1f}s after start")
         t1 = time.perf_counter()
-        node = start_worker_node(cluster.address, num_cpus=1, resources={"extra_node": 1})
+        node = start_worker_node(cluster.address, cluster.token_path, num_cpus=1,
+                                 resources={"extra_node": 1})
         deadline = time.monotonic() + 30
         while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -145,6 +155,7 @@ def test_cluster_second_driver_and_worker_node(tmp_path):
              and open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] != "Z"]
     assert not alive, f"left running: {alive}"
     assert not cluster.temp_dir.exists()
+    assert not ray_home.exists()
 
 
 LAUNCHER = """

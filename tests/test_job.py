@@ -35,7 +35,9 @@ def _train(tmp_path: Path, model_dir: Path, name: str, *overrides: str) -> subpr
     cmd = [sys.executable, "-m", "async_rlhf.cli", "train", "--job", name, "--out", str(out),
            f"model.path={model_dir}", *TINY, *overrides]
     log = (tmp_path / f"{name}.log").open("w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(tmp_path))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(tmp_path))
+    proc.log_path = tmp_path / f"{name}.log"
+    return proc
 
 
 def _finish(tmp_path: Path, name: str, proc: subprocess.Popen, timeout_s: float = 600) -> tuple[list, dict]:
@@ -55,11 +57,15 @@ def _cli(tmp_path: Path, *args: str, timeout_s: float = 120) -> str:
     return done.stdout
 
 
-def _wait_for(predicate, timeout_s: float, what: str):
+def _wait_for(job: subprocess.Popen, predicate, timeout_s: float, what: str):
+    """Wait for `predicate` while the job runs: a job that has exited fails the wait at once."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if value := predicate():
             return value
+        if job.poll() is not None:
+            raise AssertionError(f"the job exited with code {job.returncode} while waiting for "
+                                 f"{what}:\n{job.log_path.read_text()[-5000:]}")
         time.sleep(1.0)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
@@ -105,15 +111,15 @@ def test_killed_generator_loses_nothing_and_job_goes_on(tmp_path, tiny_actor_mod
     proc = _train(tmp_path, tiny_actor_model, name, "generator.count=2", "learner.steps=100000",
                   "max_staleness=1")
     with _interrupted_on_failure(proc):
-        _wait_for(lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
         status = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))
         victim = next(g for g in status["generators"] if g["produced"] > 0)
         os.kill(victim["pid"], signal.SIGKILL)
         log = tmp_path / f"{name}.log"
-        _wait_for(lambda: f"generator {victim['generator_id']} lost" in log.read_text(), 120,
+        _wait_for(proc, lambda: f"generator {victim['generator_id']} lost" in log.read_text(), 120,
                   "the launcher to notice the dead generator")
         after = _steps_done(tmp_path, name)
-        _wait_for(lambda: _steps_done(tmp_path, name) >= after + 5, 300, "five more steps")
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= after + 5, 300, "five more steps")
         _cli(tmp_path, "stop", "--job", name)
         metrics, summary = _finish(tmp_path, name, proc)
     assert metrics[-1]["generators"] == 1
@@ -126,9 +132,10 @@ def test_add_generators_from_second_driver_on_second_node(tmp_path, tiny_actor_m
     name = "grow"
     proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "max_staleness=1")
     with _interrupted_on_failure(proc):
-        _wait_for(lambda: _steps_done(tmp_path, name) >= 1, 300, "the first learner step")
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 1, 300, "the first learner step")
         info = json.loads(next((tmp_path / "home" / "jobs").glob(f"{name}.json")).read_text())
-        with cluster.start_worker_node(info["ray_address"], num_cpus=1, resources={"node_b": 1}):
+        with cluster.start_worker_node(info["ray_address"], info["ray_token_path"], num_cpus=1,
+                                       resources={"node_b": 1}):
             _cli(tmp_path, "add-generators", "--job", name, "--count", "1",
                  "--resources", '{"node_b": 1}')
 
@@ -137,7 +144,7 @@ def test_add_generators_from_second_driver_on_second_node(tmp_path, tiny_actor_m
                 rows = [json.loads(line) for line in path.read_text().splitlines()]
                 return any(r.get("trained_by_generator", {}).get("gen-1", 0) > 0 for r in rows)
 
-            _wait_for(new_generator_trained, 300, "gen-1's trajectories to be trained on")
+            _wait_for(proc, new_generator_trained, 300, "gen-1's trajectories to be trained on")
             status = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))
             nodes = {g["generator_id"]: g["node_id"] for g in status["generators"]}
             assert nodes["gen-1"] != nodes["gen-0"]
@@ -159,10 +166,29 @@ def test_failed_start_ends_with_a_clear_error_and_a_summary(tmp_path, tiny_actor
     assert summary["lost"] == 0
 
 
+def test_job_whose_ray_head_cannot_start_fails_fast(tmp_path, tiny_actor_model):
+    # A Ray setting that cannot be parsed crashes the head at start (as a broken Ray install or
+    # environment would): the job must say so and end, not wait for actors that never come.
+    name = "nohead"
+    out = tmp_path / name
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "async_rlhf.cli", "train", "--job", name, "--out", str(out),
+         f"model.path={tiny_actor_model}", *TINY], capture_output=True, text=True, timeout=120,
+        env={**_env(tmp_path), "RAY_ROTATION_MAX_BYTES": "not-a-number"})
+    elapsed = time.monotonic() - start
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert elapsed < 30, f"took {elapsed:.0f} s to fail"
+    assert "ray head node exited" in done.stderr, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert "ray head node exited" in summary["error"] and summary["lost"] == 0
+    assert not (tmp_path / "home" / "jobs" / f"{name}.json").exists()
+
+
 def test_ctrl_c_checkpoints_accounts_and_leaves_no_process(tmp_path, tiny_actor_model):
     name = "ctrlc"
     proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000")
-    _wait_for(lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
+    _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
     info = json.loads((tmp_path / "home" / "jobs" / f"{name}.json").read_text())
     proc.send_signal(signal.SIGINT)
     assert proc.wait(300) == 130
