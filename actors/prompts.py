@@ -140,11 +140,27 @@ class PromptStream:
         if self._next >= len(self._order):
             if self._order:
                 self.epoch += 1
-            self._order = list(range(len(self.prompts)))
-            random.Random(f"{self.seed}/{self.stream}/{self.epoch}").shuffle(self._order)
-            self._next = 0
+            self._shuffle()
         self._next += 1
         return self.prompts[self._order[self._next - 1]]
+
+    def _shuffle(self) -> None:
+        self._order = list(range(len(self.prompts)))
+        random.Random(f"{self.seed}/{self.stream}/{self.epoch}").shuffle(self._order)
+        self._next = 0
+
+    @property
+    def position(self) -> int:
+        """Prompts taken so far, over all epochs: what `seek` continues from."""
+        return self.epoch * len(self.prompts) + self._next
+
+    def seek(self, position: int) -> None:
+        """Continue as if `position` prompts had been taken (a resumed job's generators)."""
+        if position < 0:
+            raise ValueError(f"a prompt stream position must be >= 0, got {position}")
+        self.epoch, next_index = divmod(position, len(self.prompts))
+        self._shuffle()
+        self._next = next_index
 
     def take(self, count: int) -> list[Prompt]:
         return [next(self) for _ in range(count)]

@@ -180,7 +180,7 @@ class LearnerConfig(_Section):
     entropy_coef: float = 0.0
     value_clip: float = 0.2
     max_reuse: int = 1  # times a trajectory may be trained on while within the staleness bound
-    checkpoint_every: int = 0  # steps; 0: only at the end
+    checkpoint_every: int = 10  # steps (a crashed learner loses at most this many); 0: only at the end
     minibatches: int = 1  # optimizer steps per batch, all against the same pi_prox (AReaL's n_mbs)
     optimizer: Literal["adamw_torch", "adamw_deepspeed"] = "adamw_torch"  # deepspeed: C++ build
     critic_lr: float = 1e-5  # GAE only

@@ -28,11 +28,16 @@ log = logging.getLogger(__name__)
 
 
 class Coordinator:
-    """Shared state of one job. `start_version`: the learner's version when the job (re)starts,
-    so a resumed job's gate counts from where training is."""
+    """Shared state of one job.
 
-    def __init__(self, max_staleness: int, batch_size: int, start_version: int = 0):
-        self.gate = StalenessGate(max_staleness, batch_size, accepted=start_version * batch_size)
+    A resumed job's gate is rebuilt from the learner's version and the stream, not from the
+    checkpoint alone: `start_version` batches were trained, and `carried` samples are still in
+    the stream (backlog and pending, from before the restart). Those are trained, or dropped
+    with a counted reason, before anything generated now, so they hold slots like any accepted
+    sample, and their drops give back slots the gate did hold."""
+
+    def __init__(self, max_staleness: int, batch_size: int, start_version: int = 0, carried: int = 0):
+        self.gate = StalenessGate(max_staleness, batch_size, accepted=start_version * batch_size + carried)
         self.running: Counter[str] = Counter()
         self.requests: list[dict[str, Any]] = []
         self.stop_reason = ""

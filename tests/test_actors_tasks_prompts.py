@@ -63,6 +63,20 @@ def test_task_stream_epochs_shuffle_deterministically(tok):
     assert p.token_ids[0] == tok.bos_token_id and tok.decode(p.token_ids, skip_special_tokens=True) == p.text
 
 
+def test_stream_seeks_to_a_position_as_if_it_had_taken_that_many(tok):
+    records = [(f"copy {i}=", str(i)) for i in range(5)]
+    ref = PromptStream(records, tok, seed=3, stream=1)
+    taken = [p.prompt_id for p in ref.take(13)]  # two epochs and a half
+    assert ref.position == 13
+    for position in (0, 4, 5, 6, 10, 12):
+        resumed = PromptStream(records, tok, seed=3, stream=1)
+        resumed.seek(position)
+        assert resumed.position == position
+        assert [p.prompt_id for p in resumed.take(13 - position)] == taken[position:]
+    with pytest.raises(ValueError, match="position must be >= 0, got -1"):
+        ref.seek(-1)
+
+
 def test_task_source(tok):
     stream = make_prompt_stream(DataConfig(source="task", task="count"), tok, seed=0)
     p = next(stream)

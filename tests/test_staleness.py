@@ -33,6 +33,20 @@ def test_k0_is_synchronous():
     assert gate.try_admit(8, version=1)
 
 
+def test_resumed_gate_holds_the_slots_of_entries_carried_in_the_stream():
+    from async_rlhf.roles import Coordinator
+
+    # Killed at version 0 with 128 samples in the stream (more than the gate's 40 slots):
+    # nothing new is admitted while they come first, and dropping all of them is no error.
+    coordinator = Coordinator(max_staleness=4, batch_size=8, start_version=0, carried=128)
+    assert coordinator.gate.capacity(version=0) == 0
+    assert not coordinator.try_admit("gen-0", 8, version=0)
+    coordinator.forget(128)
+    assert coordinator.gate.capacity(version=0) == 40  # (4 + 0 + 1) * 8
+    resumed = Coordinator(max_staleness=1, batch_size=8, start_version=3, carried=5)
+    assert resumed.gate.capacity(version=3) == (1 + 3 + 1) * 8 - (3 * 8 + 5)
+
+
 @pytest.mark.parametrize("k", [0, 1, 2, 4])
 def test_simulated_pipeline_progresses_with_little_waste(k):
     """Generators at different speeds with lagging weights, rewards that sometimes fail, and a
