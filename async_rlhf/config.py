@@ -128,14 +128,23 @@ class GeneratorConfig(_Section):
     top_p: float = 1.0
     threads: int = 1
     tensor_parallel: int = 1  # GPU only
+    max_restarts: int = 10  # a generator that dies is replaced, after 1, 2, 4 ... 30 s, this often
 
     def _validate(self) -> None:
+        _check(self.max_restarts >= 0, "generator.max_restarts", self.max_restarts, ">= 0")
         self._positive("count", "prompts_per_batch", "group_size", "max_new_tokens", "threads")
         self._positive("temperature", "tensor_parallel")
         # The learner recomputes log-probs over the whole vocabulary; nucleus sampling would
         # make every behaviour weight pi_prox / pi_behaviour biased below 1.
         _check(self.top_p == 1.0, "generator.top_p", self.top_p,
                "1.0 for training (nucleus sampling biases the importance weights)")
+
+
+def redact_url(url: str) -> str:
+    """`url` fit to print: any user and password become *** (redis://***@host:port/0)."""
+    scheme, sep, rest = url.partition("://")
+    at = rest.rfind("@")
+    return f"{scheme}{sep}***@{rest[at + 1:]}" if at >= 0 else url
 
 
 @dataclass(frozen=True)

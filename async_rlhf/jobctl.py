@@ -27,7 +27,7 @@ def _coordinator(job: str):
 def status(job: str) -> dict[str, Any]:
     import ray
 
-    from async_rlhf.config import load_config
+    from async_rlhf.config import load_config, redact_url
     from async_rlhf.launcher import accounting
     from buffer.redis_stream import RedisExperienceQueue
 
@@ -36,20 +36,22 @@ def status(job: str) -> dict[str, Any]:
     cfg = load_config(f"{info['out']}/config.yaml")
     queue = accounting(RedisExperienceQueue.from_config(cfg.queue, info["redis_url"], consumer="status"))
     return {"job": job, "learner": snap.get("learner", {}), "generators": snap.get("generators", []),
-            "gate": snap["gate"], "queue": {"redis_url": info["redis_url"], "stream": cfg.queue.stream,
+            "generator_restarts": snap.get("generator_restarts", 0),
+            "gate": snap["gate"], "queue": {"redis_url": redact_url(info["redis_url"]), "stream": cfg.queue.stream,
                                             **queue}}
 
 
 def _print_status(s: dict[str, Any]) -> None:
     learner = s["learner"]
     print(f"job {s['job']}: learner step {learner.get('step', '?')} "
-          f"policy_version {learner.get('policy_version', '?')}")
+          f"policy_version {learner.get('policy_version', '?')}  generator restarts "
+          f"{s['generator_restarts']}")
     for g in s["generators"]:
         print(f"  {g['generator_id']:>8}  node {g['node']}  pid {g['pid']}  "
               f"policy_version {g['policy_version']}  produced {g['produced']}"
               f"{'  ERROR' if g.get('error') else ''}")
     q = s["queue"]
-    print(f"queue {q['redis_url'].split('@')[-1]} stream {q['stream']}: backlog+pending "
+    print(f"queue {q['redis_url']} stream {q['stream']}: backlog+pending "
           f"{q['left_in_queue']}, produced {q['produced']}, trained {q['trained']}, "
           f"dead letters {q['dead_lettered']}")
 

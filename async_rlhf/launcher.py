@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -25,7 +26,7 @@ from typing import Any
 import yaml
 
 from async_rlhf.cli import add_config_arguments, config_from_args
-from async_rlhf.config import Config
+from async_rlhf.config import Config, redact_url
 from buffer.redis_stream import RedisExperienceQueue
 
 log = logging.getLogger("async_rlhf")
@@ -59,6 +60,9 @@ class Job:
         self.forgotten = 0  # samples gone untrained whose gate slots were already returned
         self.last_tick = 0.0
         self.starting: dict[str, tuple[Any, Any]] = {}  # generator id -> (handle, ready ref)
+        self.placement: dict[str, dict[str, float]] = {}  # generator id -> Ray resources asked
+        self.restarts = 0  # generators replaced so far (generator.max_restarts at most)
+        self.due_restarts: list[tuple[float, str]] = []  # (monotonic time, generator id)
         self.sync_failures = 0
         self.last_metrics: dict[str, Any] = {}
         self.error = ""
@@ -73,7 +77,10 @@ class Job:
 
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        resolved = cfg.to_dict()
+        if cfg.queue.redis_url:  # the url and password stay in the job record (0600) only
+            resolved["queue"]["redis_url"] = redact_url(cfg.queue.redis_url)
+        (self.out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
         print(f"async-rlhf: job {cfg.job!r}, max_staleness={cfg.max_staleness}, out={self.out}")
         ensure_model(cfg.model.path, cfg.model.preset, seed=cfg.seed)
         self.start_time = time.time()
@@ -116,7 +123,7 @@ class Job:
         if produced and not self.resume:
             raise SystemExit(
                 f"the experience stream {self.cfg.queue.stream!r} at "
-                f"{self.redis_url.split('@')[-1]} already holds {produced} trajectories from an "
+                f"{redact_url(self.redis_url)} already holds {produced} trajectories from an "
                 "earlier run: pass --resume to continue it, or set queue.stream=<new name> "
                 "(or use a fresh --out with the embedded Redis)")
         self.forgotten = _not_trained(self.queue.stats().counters)
@@ -130,7 +137,8 @@ class Job:
         if not self.ray_address:
             learner, gen = self.cfg.learner, self.cfg.generator
             needed = learner.ranks * learner.threads + gen.count * gen.threads
-            self.cluster = cluster.start_local_cluster(num_cpus=needed)
+            # room for `add-generators` on this machine too (the OS shares the cores)
+            self.cluster = cluster.start_local_cluster(num_cpus=needed + (os.cpu_count() or 1))
         address = self.ray_address or self.cluster.address
         token_path = None if self.cluster is None else str(self.cluster.token_path)
         try:
@@ -169,10 +177,13 @@ class Job:
         for _ in range(cfg.generator.count):
             self._add_generator({})
 
-    def _add_generator(self, resources: dict[str, float]) -> None:
+    def _add_generator(self, resources: dict[str, float], index: int | None = None) -> None:
+        """Start generator number `index` (default: a new one) with its own prompt stream."""
         from async_rlhf.roles import GeneratorWorker
 
-        index, self.next_index = self.next_index, self.next_index + 1
+        if index is None:
+            index, self.next_index = self.next_index, self.next_index + 1
+        self.placement[f"gen-{index}"] = resources
         options = {"num_cpus": self.cfg.generator.threads, "max_concurrency": 4,
                    "name": f"gen-{index}"}
         if resources:
@@ -200,7 +211,7 @@ class Job:
                 continue
             self.generators[gid] = handle
             print(f"generator {gid} ready")
-        if not self.generators and not self.starting:
+        if not self.generators and not self.starting and not self.due_restarts:
             raise RuntimeError("no generator could start (see the errors above)")
 
     def _new_epoch(self) -> None:
@@ -247,6 +258,12 @@ class Job:
         members = set(self.generators)
         for request in ray.get(self.coordinator.take_requests.remote()):
             self._add_generator(request["resources"])
+        while self.due_restarts and self.due_restarts[0][0] <= time.monotonic():
+            gid = self.due_restarts.pop(0)[1]
+            try:
+                self._add_generator(self.placement[gid], index=int(gid.split("-")[1]))
+            except ValueError:  # Ray has not released the dead actor's name yet
+                self.due_restarts.append((time.monotonic() + 1.0, gid))
         self._wait_for_generators()
         refs = {gid: h.stats.remote() for gid, h in self.generators.items()}
         for gid, ref in refs.items():
@@ -270,6 +287,16 @@ class Job:
         ray.kill(handle)  # first: a half-alive generator must not finish a batch after release
         freed = ray.get(self.coordinator.release.remote(gid))
         print(f"generator {gid} lost ({why}); {freed} admitted samples released", file=sys.stderr)
+        budget = self.cfg.generator.max_restarts
+        if self.restarts < budget:  # replaced under the same id: it goes on with its prompts
+            self.restarts += 1
+            delay = min(2.0 ** (self.restarts - 1), 30.0)
+            self.due_restarts.append((time.monotonic() + delay, gid))
+            print(f"restarting {gid} in {delay:.0f} s (restart {self.restarts} of "
+                  f"generator.max_restarts={budget})", file=sys.stderr)
+        else:
+            print(f"not restarting {gid}: generator.max_restarts={budget} restarts spent",
+                  file=sys.stderr)
 
     def _record(self, m: dict[str, Any], step_s: float, metrics_file) -> None:
         ray = self.ray
@@ -308,7 +335,8 @@ class Job:
         learner = {"step": m.get("version", self.start_version), "policy_version": m.get("version", self.start_version),
                    "reward_mean": m.get("reward_mean"), "of_steps": self.cfg.learner.steps}
         return {"generators": list(self.gen_stats.values()), "learner": learner,
-                "redis_url": self.redis_url, "out": str(self.out), "job": self.cfg.job}
+                "generator_restarts": self.restarts,
+                "out": str(self.out), "job": self.cfg.job}
 
     # -- the end ---------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -354,11 +382,14 @@ def _not_trained(counters: dict[str, int]) -> int:
 
 
 def accounting(queue: RedisExperienceQueue) -> dict[str, Any]:
-    """Where every trajectory went, from the stream's shared counters."""
+    """Where every group went, from the stream's shared counters. One stream entry holds one
+    whole group (generator.group_size samples), so every count here is of groups, not samples;
+    `set_aside` counts groups the generators set aside before producing them."""
     stats = queue.stats()
     c = stats.counters
     outcomes = _outcomes(c)
     summary = {
+        "unit": "groups",  # of generator.group_size samples each
         "produced": c.get("produced", 0),
         "trained": outcomes.pop("trained", 0),
         "dropped_stale": outcomes.pop("dropped_stale", 0),

@@ -94,3 +94,11 @@ def test_cli_overrides_may_come_between_flags():
         parse(["train", "--bogus-flag"])
     with pytest.raises(SystemExit):
         parse(["status", "--job", "x", "learner.steps=3"])  # status takes no overrides
+
+
+def test_redact_url_hides_user_and_password():
+    from async_rlhf.config import redact_url
+
+    assert redact_url("redis://:s3cret@127.0.0.1:6379/0") == "redis://***@127.0.0.1:6379/0"
+    assert redact_url("redis://user:p@ss@host:1/0") == "redis://***@host:1/0"
+    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"

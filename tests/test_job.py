@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 
@@ -103,13 +104,13 @@ def test_pipeline_respects_the_staleness_bound(tmp_path, tiny_actor_model, k):
             assert key in m
     assert any(m["weight_sync_s"] > 0 for m in metrics)
     _check_accounting(summary)
-    assert summary["trained"] == 4 * 8
+    assert summary["trained"] == 4 * 8 // 2  # groups of generator.group_size=2
 
 
 def test_killed_generator_loses_nothing_and_job_goes_on(tmp_path, tiny_actor_model):
     name = "kill"
     proc = _train(tmp_path, tiny_actor_model, name, "generator.count=2", "learner.steps=100000",
-                  "max_staleness=1")
+                  "max_staleness=1", "generator.max_restarts=0")  # no replacement: one goes on
     with _interrupted_on_failure(proc):
         _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
         status = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))
@@ -124,6 +125,37 @@ def test_killed_generator_loses_nothing_and_job_goes_on(tmp_path, tiny_actor_mod
         metrics, summary = _finish(tmp_path, name, proc)
     assert metrics[-1]["generators"] == 1
     _check_accounting(summary)
+
+
+def test_killed_only_generator_is_replaced_and_the_job_goes_on(tmp_path, tiny_actor_model):
+    name = "heal"
+    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "max_staleness=1")
+    with _interrupted_on_failure(proc):
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
+        status_json = _cli(tmp_path, "status", "--job", name, "--json")
+        status_text = _cli(tmp_path, "status", "--job", name)
+        record = json.loads((tmp_path / "home" / "jobs" / f"{name}.json").read_text())
+        password = urlparse(record["redis_url"]).password
+        (victim,) = json.loads(status_json)["generators"]
+        os.kill(victim["pid"], signal.SIGKILL)
+
+        def replaced():
+            status = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))
+            return [g for g in status["generators"] if g["pid"] != victim["pid"]] and status
+
+        status = _wait_for(proc, replaced, 180, "a new generator in place of the killed one")
+        assert status["generator_restarts"] == 1
+        assert [g["generator_id"] for g in status["generators"]] == [victim["generator_id"]]
+        after = _steps_done(tmp_path, name)
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= after + 5, 300, "five more steps")
+        _cli(tmp_path, "stop", "--job", name)
+        metrics, summary = _finish(tmp_path, name, proc)
+    assert metrics[-1]["generators"] == 1
+    _check_accounting(summary)
+    # the embedded Redis's password is in the job record (0600) and nowhere a user would paste
+    outputs = [status_json, status_text, proc.log_path.read_text()] + [
+        (tmp_path / name / f).read_text() for f in ("summary.json", "metrics.jsonl", "config.yaml")]
+    assert password and not any(password in text for text in outputs)
 
 
 def test_add_generators_from_second_driver_on_second_node(tmp_path, tiny_actor_model):
