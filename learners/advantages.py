@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from learners.losses import check_finite
+from learners.losses import check_finite, masked
 
 
 def _group_sums(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -85,9 +85,8 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
 
 def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[sum, sum of squares, count] over the masked entries of x, in float64; sum it over ranks."""
-    m = mask.double()
-    xd = x.double() * m
-    return torch.stack([xd.sum(), (xd * xd).sum(), m.sum()])
+    xd = masked(x.double(), mask)
+    return torch.stack([xd.sum(), (xd * xd).sum(), mask.double().sum()])
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:

@@ -13,6 +13,7 @@ undo its data-parallel averaging: the summed gradient is then the full batch's, 
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -228,7 +229,15 @@ class DeepSpeedBackend:
         (engine or self.engine).backward(loss * self.world_size, scale_wrt_gas=False)
 
     def step(self, engine=None) -> float | None:
-        """Optimizer step at the accumulation boundary (no-op otherwise); returns the grad norm there."""
+        """Optimizer step at the accumulation boundary (no-op otherwise); returns the grad norm there.
+
+        A non-finite norm means the step was skipped: no weight or optimizer state changed, the
+        accumulated gradients are dropped, on every rank alike (the norm is global). DeepSpeed
+        does this itself under ZeRO 1-3 and in its bf16 optimizers (DeepSpeedZeroOptimizer.step,
+        DeepSpeedZeroOptimizer_Stage3.step, BF16_Optimizer.step, FP16_UnfusedOptimizer.step: on
+        an invalid norm they zero the grads, return before the inner optimizer, report inf).
+        ZeRO-0 in fp32 hands the grads straight to the torch optimizer, so we skip here.
+        """
         engine = engine or self.engine
         boundary = engine.is_gradient_accumulation_boundary()
         own_norm = None
@@ -236,6 +245,13 @@ class DeepSpeedBackend:
             # ZeRO-0 fp32 clips without keeping the norm; grads are all-reduced by now
             grads = [p.grad.detach().norm() for p in engine.module.parameters() if p.grad is not None]
             own_norm = float(torch.stack(grads).norm()) if grads else 0.0
+            if not math.isfinite(own_norm):
+                # drop the grads and close the accumulation window as engine.step() would
+                # (its last act is micro_steps += 1), without the step: its fp32 clipping
+                # (runtime/utils.py clip_grad_norm_) fails when no parameter has a gradient
+                engine.zero_grad()
+                engine.micro_steps += 1
+                return own_norm
         engine.step()
         if not boundary:
             return None

@@ -10,6 +10,10 @@ Aggregation: every loss is a sum of per-token or per-sequence terms divided by a
 GLOBAL count (all data-parallel ranks, all micro-batches of the optimizer step) as `num_tokens` /
 `num_seqs`; then summing the per-shard results over shards gives the full-batch loss whatever the
 split (tested in tests/test_losses.py). Without counts the local ones are used.
+
+Padding is never used: values there may be anything, NaN and inf included. Masks select
+(torch.where), never multiply (inf * 0 is NaN, in the value and in the gradient), and
+log-ratios are clamped before every exp, so extreme finite inputs give finite losses and grads.
 """
 
 from __future__ import annotations
@@ -21,25 +25,43 @@ import torch
 Agg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 Correction = Literal["none", "truncate", "mask"]
 
-_MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: keeps a sequence-level weight finite before its cap
+# verl's bounds (core_algos.py: compute_policy_loss_vanilla clamps log-ratios to +-20, kl_penalty
+# its k3 estimate to +-10): exp(20) ~ 4.9e8 keeps ratios, weights and losses finite in fp32/bf16;
+# only a token whose probability ratio is beyond e^+-20 loses its gradient.
+_MAX_LOG_RATIO = 20.0
+_MAX_KL = 10.0
 
 
 class NonFiniteError(ValueError):
     """A loss or advantage input holds NaN or inf: the batch must not be trained on."""
 
 
-def check_finite(**tensors: torch.Tensor | None) -> None:
-    """Raise NonFiniteError naming the first tensor that holds NaN/inf, and how many."""
+def check_finite(mask: torch.Tensor | None = None, /, **tensors: torch.Tensor | None) -> None:
+    """Raise NonFiniteError naming the first tensor that holds NaN/inf, and how many; with a
+    mask [B, T], only real tokens are checked (padding is never used)."""
     for name, x in tensors.items():
         if x is None or not x.is_floating_point():
             continue
-        bad = ~torch.isfinite(x)
+        bad, n = ~torch.isfinite(x), x.numel()
+        if mask is not None:
+            bad, n = bad & mask.bool(), int(mask.bool().sum())
         if bool(bad.any()):
             raise NonFiniteError(
-                f"{name} holds {int(bad.sum())} NaN/inf values out of {x.numel()}: this batch is "
+                f"{name} holds {int(bad.sum())} NaN/inf values out of {n}: this batch is "
                 "not trained on; check the reward function and the generator's log-probs "
                 "(or lower the learning rate if the learner's own log-probs diverged)"
             )
+
+
+def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x on real tokens, 0 on padding, by selection: the gradient there is 0 whatever x holds."""
+    return torch.where(mask.bool(), x, 0.0)
+
+
+def exp_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp(log_ratio) with log_ratio clamped to +-_MAX_LOG_RATIO: finite for any finite input; a
+    clamped entry passes no gradient."""
+    return torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
 
 
 def aggregate(
@@ -56,11 +78,12 @@ def aggregate(
     seq_mean_token_sum:  sum_i (sum_t m x) / N_seqs               (REINFORCE-style sequence sum)
     N_tokens, N_seqs are global counts when given (see module docstring).
     """
+    real = masked(values, mask)
     mask = mask.to(values.dtype)
     if mode == "token_mean":
         n = mask.sum() if num_tokens is None else num_tokens
-        return (values * mask).sum() / max(float(n), 1.0)
-    per_seq = (values * mask).sum(-1)
+        return real.sum() / max(float(n), 1.0)
+    per_seq = real.sum(-1)
     if mode == "seq_mean_token_mean":
         per_seq = per_seq / mask.sum(-1).clamp(min=1.0)
     elif mode != "seq_mean_token_sum":
@@ -85,12 +108,13 @@ def behavior_weight(
     token level: w_t = exp(prox_logp_t - behavior_logp_t); sequence level: one weight per
     sequence, exp(sum_t m (prox_logp_t - behavior_logp_t)), repeated over its tokens
     (verl rollout_corr_helper, sequence IS). truncate: min(w, cap) (TIS, Yao et al. 2025);
-    mask: w set to 0 where w > cap (AReaL behav_imp_weight_cap); none: w as is.
+    mask: w set to 0 where w > cap (AReaL behav_imp_weight_cap); none: w as is. The log-weight
+    is clamped to +-20 before the exp (see exp_ratio).
     """
-    log_w = (prox_logp - behavior_logp) * mask
+    log_w = masked(prox_logp - behavior_logp, mask)
     if level == "sequence":
         log_w = log_w.sum(-1, keepdim=True).expand_as(prox_logp)
-    w = torch.exp(log_w.clamp(max=_MAX_LOG_WEIGHT)).detach()
+    w = exp_ratio(log_w).detach()
     capped = (w > cap) & mask.bool()
     if correction == "truncate":
         w = w.clamp(max=cap)
@@ -124,10 +148,13 @@ def policy_loss(
     loss_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1-eps, 1+eps)), r_t = pi_theta / pi_prox,
     w_t = pi_prox / pi_behaviour corrected by `correction` (see behavior_weight).
     ratio_to="behavior" is plain PPO (Schulman et al. 2017, eq. 7) with r = pi_theta /
-    pi_behaviour and no w, for ablation. Returns (scalar loss, stats); stats are local means over
-    the masked tokens: clip_frac, ratio_mean, bw_mean, bw_max, bw_capped_frac.
+    pi_behaviour and no w, for ablation. log r is clamped to +-20 (verl). Returns (scalar loss,
+    stats); stats are local means over the masked tokens: clip_frac, ratio_mean, bw_mean, bw_max,
+    bw_capped_frac. Raises NonFiniteError for NaN/inf on a real token; padding may hold anything.
     """
-    check_finite(logp=logp, prox_logp=prox_logp, behavior_logp=behavior_logp, advantages=advantages)
+    check_finite(mask, logp=logp, prox_logp=prox_logp, behavior_logp=behavior_logp, advantages=advantages)
+    logp, prox_logp, behavior_logp, advantages = (
+        masked(x, mask) for x in (logp, prox_logp, behavior_logp, advantages))
     maskf = mask.to(logp.dtype)
     if ratio_to == "prox":
         w, capped = behavior_weight(prox_logp, behavior_logp, mask, correction, is_cap, level)
@@ -137,7 +164,7 @@ def policy_loss(
         anchor = behavior_logp
     else:
         raise ValueError(f"ratio_to {ratio_to!r} unknown: use prox or behavior")
-    ratio = torch.exp(logp - anchor.detach())
+    ratio = exp_ratio(logp - anchor.detach())
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
     per_token = torch.maximum(unclipped, clipped) * w
@@ -160,7 +187,9 @@ def kl_penalty(
 ) -> torch.Tensor:
     """Per-token estimate [B, T] of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL").
 
-    with d = logp - ref_logp: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d.
+    with d = logp - ref_logp: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d. k3 as verl computes it:
+    d clamped to +-20 before the exp, the estimate (>= 0) to at most 10, where it passes no
+    gradient (reached at d ~ -2.6 or d ~ 11).
     """
     d = logp - ref_logp
     if estimator == "k1":
@@ -168,7 +197,8 @@ def kl_penalty(
     if estimator == "k2":
         return 0.5 * d * d
     if estimator == "k3":
-        return torch.expm1(-d) + d
+        d = d.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return (torch.expm1(-d) + d).clamp(max=_MAX_KL)
     raise ValueError(f"kl_estimator {estimator!r} unknown: use k1, k2 or k3")
 
 
@@ -204,8 +234,10 @@ def value_loss(
     """Clipped value loss (PPO2 baselines; OpenRLHF ValueLoss). Inputs [B, T].
 
     0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), aggregated by `agg`.
+    Raises NonFiniteError for NaN/inf on a real token; padding may hold anything.
     """
-    check_finite(values=values, old_values=old_values, returns=returns)
+    check_finite(mask, values=values, old_values=old_values, returns=returns)
+    values, old_values, returns = (masked(x, mask) for x in (values, old_values, returns))
     v_clipped = old_values + (values - old_values).clamp(-clip, clip)
     per_token = 0.5 * torch.maximum((values - returns) ** 2, (v_clipped - returns) ** 2)
     loss = aggregate(per_token, mask, agg, num_tokens, num_seqs)
@@ -213,4 +245,5 @@ def value_loss(
     n = maskf.sum().clamp(min=1.0)
     with torch.no_grad():
         frac = (((v_clipped - returns) ** 2 > (values - returns) ** 2).to(maskf.dtype) * maskf).sum() / n
-    return loss, {"value_clip_frac": float(frac), "value_mean": float((values * maskf).sum() / n)}
+        mean = (values * maskf).sum() / n
+    return loss, {"value_clip_frac": float(frac), "value_mean": float(mean)}

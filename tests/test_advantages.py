@@ -73,6 +73,12 @@ def test_whiten_by_hand_and_across_shards():
     assert torch.allclose(sharded, whiten(x, mask), atol=1e-6)
 
 
+def test_moments_ignore_non_finite_padding():
+    x = torch.tensor([[1.0, 2.0, float("inf")], [3.0, float("nan"), -float("inf")]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert masked_moments(x, mask).tolist() == [6.0, 14.0, 3.0]  # 1 + 2 + 3, 1 + 4 + 9, count
+
+
 def test_non_finite_rewards_rejected():
     with pytest.raises(NonFiniteError, match="rewards holds 1 NaN/inf"):
         grpo_advantages(torch.tensor([1.0, float("nan")]), torch.tensor([0, 0]))

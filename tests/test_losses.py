@@ -183,3 +183,97 @@ def test_non_finite_inputs_are_rejected(bad, where):
         policy_loss(**args, mask=torch.ones(2, 3))
     with pytest.raises(NonFiniteError):
         value_loss(args[where], torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", ["logp", "prox_logp", "behavior_logp", "advantages"])
+def test_non_finite_padding_is_never_used(bad, where):
+    # token 0 on-policy (0.5 everywhere), A = 3: loss = -A r w = -3, d loss / d logp = -3;
+    # token 1 is padding holding NaN/inf: no part in the loss, zero gradient
+    args = {k: torch.tensor([[LN(0.5), LN(0.5)]], dtype=torch.float64)
+            for k in ("logp", "prox_logp", "behavior_logp")}
+    args["advantages"] = torch.tensor([[3.0, 3.0]], dtype=torch.float64)
+    args[where][0, 1] = bad
+    args["logp"].requires_grad_()
+    mask = torch.tensor([[1.0, 0.0]])
+    for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
+        for correction, level in [("truncate", "token"), ("mask", "sequence"), ("none", "token")]:
+            args["logp"].grad = None
+            loss, stats = policy_loss(**args, mask=mask, agg=agg, correction=correction, level=level)
+            loss.backward()
+            assert loss.item() == pytest.approx(-3.0)
+            assert args["logp"].grad.tolist() == [[pytest.approx(-3.0), 0.0]]
+            assert stats["ratio_mean"] == pytest.approx(1.0) and stats["bw_max"] == pytest.approx(1.0)
+
+
+def test_aggregate_and_value_loss_ignore_non_finite_padding():
+    values = torch.tensor([[1.0, float("inf")], [float("nan"), -float("inf")]], requires_grad=True)
+    mask = torch.tensor([[1, 0], [0, 0]])
+    for agg, want in [("token_mean", 1.0), ("seq_mean_token_mean", 0.5), ("seq_mean_token_sum", 0.5)]:
+        values.grad = None
+        loss = aggregate(values, mask, agg)
+        loss.backward()
+        assert loss.item() == want
+        assert values.grad.tolist() == [[want, 0.0], [0.0, 0.0]]
+    # real token: V = 1, V_old = 0.5, R = 0, clip 0.2: V_clip = 0.7; 0.5 * max(1, 0.49) = 0.5,
+    # d/dV = V - R = 1; the padded token holds NaN/inf
+    nan, inf = float("nan"), float("inf")
+    v = torch.tensor([[1.0, nan]], requires_grad=True)
+    loss, _ = value_loss(v, torch.tensor([[0.5, inf]]), torch.tensor([[0.0, -inf]]),
+                         torch.tensor([[1.0, 0.0]]), clip=0.2)
+    loss.backward()
+    assert loss.item() == pytest.approx(0.5)
+    assert v.grad.tolist() == [[pytest.approx(1.0), 0.0]]
+
+
+E20 = math.exp(20.0)  # the largest ratio or weight the loss lets through (verl's clamp at +-20)
+
+
+@pytest.mark.parametrize(
+    "logp, prox, behav, adv, ratio_to, want_loss",
+    [
+        # log r = +100, A = -1 (fp32: e^100 = inf): loss = max(r, 1.2) * w = e^20 (clamped), w = 1
+        (0.0, -100.0, -100.0, -1.0, "prox", E20),
+        # A = 0 with r = inf: 0 * inf was NaN; now 0
+        (0.0, -100.0, -100.0, 0.0, "prox", 0.0),
+        # log r = -100: r = e^-20 ~ 0; A = 1: max(-r, -0.8) = -e^-20, w = 1
+        (-100.0, 0.0, 0.0, 1.0, "prox", -math.exp(-20.0)),
+        # huge finite behaviour log-prob, plain PPO (r against behaviour): log r = 1e30 -> e^20
+        (-1.0, -1.0, -1e30, -1.0, "behavior", E20),
+        # same log-prob under decoupled PPO: r = 1, w = e^20 truncated to the cap 2: loss = -A r w = 2
+        (-1.0, -1.0, -1e30, -1.0, "prox", 2.0),
+    ],
+)
+def test_extreme_log_ratios_give_finite_loss_and_grads(logp, prox, behav, adv, ratio_to, want_loss):
+    logp_t = torch.tensor([[logp]], requires_grad=True)  # float32, where exp overflows at 88.7
+    loss, stats = policy_loss(logp_t, torch.tensor([[prox]]), torch.tensor([[behav]]),
+                              torch.tensor([[adv]]), ONE_MASK, ratio_to=ratio_to)
+    loss.backward()
+    assert loss.item() == pytest.approx(want_loss, rel=1e-6)
+    assert math.isfinite(logp_t.grad.item()) and math.isfinite(stats["ratio_mean"])
+
+
+def test_behaviour_weight_is_clamped_both_ways():
+    # log w = +-100 per token (fp32): w = e^+-20, at token and at sequence level (sum +-200)
+    prox = torch.tensor([[0.0, 0.0], [-100.0, -100.0]])
+    behav = torch.tensor([[-100.0, -100.0], [0.0, 0.0]])
+    for level in ("token", "sequence"):
+        w, _ = behavior_weight(prox, behav, torch.ones(2, 2), "none", 2.0, level)
+        assert w.tolist() == [[pytest.approx(E20)] * 2, [pytest.approx(math.exp(-20.0))] * 2]
+
+
+@pytest.mark.parametrize(
+    "d, want",
+    [
+        (-2.0, math.exp(2.0) - 1 - 2),  # in range: e^-d - 1 + d = 4.389, unclamped
+        (-100.0, 10.0),  # e^100 overflowed fp32 to inf: d -> -20, e^20 - 21 -> clamped to 10
+        (100.0, 10.0),  # e^-100 - 1 + 100 = 99 -> clamped to 10
+        (11.5, 10.0),  # just past the clamp: 10.5 -> 10
+    ],
+)
+def test_k3_is_clamped_like_verl(d, want):
+    logp = torch.tensor([[d]], requires_grad=True)  # float32
+    k3 = kl_penalty(logp, torch.zeros(1, 1), "k3")
+    k3.sum().backward()
+    assert k3.item() == pytest.approx(want, rel=1e-6)
+    assert logp.grad.item() == (pytest.approx(1 - math.exp(-d)) if want < 10 else 0.0)
