@@ -107,7 +107,7 @@ def _bound_gen(cfg, redis_url: str, batches: int) -> dict[str, Any]:
 
 
 def _bound_train(cfg, redis_url: str, warmup: int, steps: int) -> dict[str, Any]:
-    """The learner alone on the bound-gen trajectories, replayed through stream bound-train."""
+    """The learner alone on the bound-gen groups, replayed through stream bound-train."""
     import dataclasses
 
     import torch
@@ -120,22 +120,22 @@ def _bound_train(cfg, redis_url: str, warmup: int, steps: int) -> dict[str, Any]
 
     torch.set_num_threads(cfg.learner.threads)
     source = RedisExperienceQueue.from_config(cfg.queue, redis_url, consumer="bound-train")
-    trajs = []
+    groups = []
     while got := source.get(1024, block_ms=100):
-        trajs += [r.trajectory for r in got]
+        groups += [r.group for r in got]
         source.ack([r.entry_id for r in got], reason="copied")
-    batch, total = cfg.learner.batch_size, warmup + steps
-    if len(trajs) < batch:
-        raise RuntimeError(f"training bound: {len(trajs)} trajectories, a batch needs {batch}")
+    batch, total = cfg.learner.batch_size // cfg.generator.group_size, warmup + steps  # groups
+    if len(groups) < batch:
+        raise RuntimeError(f"training bound: {len(groups)} groups, a batch needs {batch}")
     queue = RedisExperienceQueue.from_config(
         dataclasses.replace(cfg.queue, stream="bound-train"), redis_url, consumer="learner-0")
     for v in range(total):  # cycle the generated data, each batch stamped with its version
-        queue.put([dataclasses.replace(trajs[(v * batch + i) % len(trajs)], policy_version=v)
-                   for i in range(batch)])
+        queue.put([groups[(v * batch + i) % len(groups)].with_version(v) for i in range(batch)])
     backend = DeepSpeedBackend(cfg.learner, cfg.model.path, dtype=cfg.model.dtype,
                                temperature=cfg.generator.temperature, seed=cfg.seed)
-    learner = Learner(cfg.learner, backend, max_staleness=total, queue=queue,
-                      replay=StalenessReplay(max_reuse=1, max_staleness=total), publisher=NullPublisher())
+    learner = Learner(cfg.learner, backend, max_staleness=total, group_size=cfg.generator.group_size,
+                      queue=queue, replay=StalenessReplay(max_reuse=1, max_staleness=total),
+                      publisher=NullPublisher())
     learner.train(warmup)
     start = time.perf_counter()
     history = learner.train(steps)

@@ -57,7 +57,8 @@ class Job:
         self.generators: dict[str, Any] = {}  # generator id -> actor handle
         self.next_index = 0
         self.gen_stats: dict[str, dict] = {}
-        self.forgotten = 0  # samples gone untrained whose gate slots were already returned
+        self.forgotten = 0  # groups gone untrained whose gate slots were already returned
+        self.carried = 0  # samples in the stream when the job (re)started
         self.last_tick = 0.0
         self.starting: dict[str, tuple[Any, Any]] = {}  # generator id -> (handle, ready ref)
         self.placement: dict[str, dict[str, float]] = {}  # generator id -> Ray resources asked
@@ -118,15 +119,18 @@ class Job:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _check_fresh_stream(self) -> None:
-        """A new job must not train on (or count) another run's trajectories."""
-        produced = self.queue.stats().counters.get("produced", 0)
+        """A new job must not train on (or count) another run's groups. A resumed one counts
+        what the stream still holds (`carried`, in samples) into its gate (see Coordinator)."""
+        stats = self.queue.stats()
+        produced = stats.counters.get("produced", 0)
         if produced and not self.resume:
             raise SystemExit(
                 f"the experience stream {self.cfg.queue.stream!r} at "
-                f"{redact_url(self.redis_url)} already holds {produced} trajectories from an "
+                f"{redact_url(self.redis_url)} already holds {produced} groups from an "
                 "earlier run: pass --resume to continue it, or set queue.stream=<new name> "
                 "(or use a fresh --out with the embedded Redis)")
-        self.forgotten = _not_trained(self.queue.stats().counters)
+        self.carried = (stats.backlog + stats.pending) * self.cfg.generator.group_size
+        self.forgotten = _not_trained(stats.counters)
 
     def _start_ray(self) -> None:
         import ray
@@ -173,7 +177,7 @@ class Job:
                          for rank in range(cfg.learner.ranks)]
         self.start_version = ray.get(self.learners[0].get_version.remote())
         self.coordinator = ray.remote(Coordinator).options(name="coordinator").remote(
-            cfg.max_staleness, cfg.learner.batch_size, self.start_version)
+            cfg.max_staleness, cfg.learner.batch_size, self.start_version, self.carried)
         for _ in range(cfg.generator.count):
             self._add_generator({})
 
@@ -301,10 +305,12 @@ class Job:
     def _record(self, m: dict[str, Any], step_s: float, metrics_file) -> None:
         ray = self.ray
         self.last_metrics = m
-        gone = _not_trained(self.queue.stats().counters)  # stale, malformed, dead-lettered
+        gone = _not_trained(self.queue.stats().counters)  # groups: stale, malformed, dead-lettered
         if gone > self.forgotten:  # they give their gate slots back
-            ray.get(self.coordinator.forget.remote(gone - self.forgotten))
+            ray.get(self.coordinator.forget.remote((gone - self.forgotten) * self.cfg.generator.group_size))
             self.forgotten = gone
+        if m["samples_fresh"] < m["samples"]:  # re-used samples push the fresh ones back
+            ray.get(self.coordinator.step_trained.remote(m["samples_fresh"]))
         elapsed = time.time() - self.start_time
         tokens_per_s = sum(s.get("tokens_per_s", 0.0) for s in self.gen_stats.values())
         # generator totals since start (as of the last tick), summed over generators: `bench`

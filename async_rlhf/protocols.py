@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from async_rlhf.types import Prompt, Received, Sample, Trajectory, TrajectoryError
+from async_rlhf.types import Group, Prompt, Received, Sample, TrajectoryError
 
 
 class GenerationEngine(Protocol):
@@ -39,6 +39,8 @@ class RewardFn(Protocol):
 
 @dataclass(frozen=True)
 class QueueStats:
+    """Counts of stream entries, i.e. of groups (one entry holds one whole group)."""
+
     backlog: int  # entries not yet delivered to any consumer
     pending: int  # delivered, not yet acknowledged
     dead_letters: int
@@ -46,14 +48,27 @@ class QueueStats:
 
 
 class ExperienceQueue(Protocol):
-    """A durable stream of trajectories with consumer-group delivery and acknowledgement.
+    """A durable stream of groups with consumer-group delivery and acknowledgement.
 
+    One entry holds one whole group (the scored samples of one prompt), so a group is
+    delivered, trained, dropped or dead-lettered as one, and every count is of entries (groups).
     An entry leaves the system only by `ack` (trained, or dropped with a counted reason) or by
     `dead_letter` (malformed, with its reason).
     """
 
-    def put(self, trajectories: Sequence[Trajectory], timeout_s: float | None = None) -> None:
-        """Append; blocks while the backlog is over the configured bound."""
+    def put(self, groups: Sequence[Group], timeout_s: float | None = None,
+            prompt_position: int | None = None) -> None:
+        """Append, one entry per group; blocks while the backlog is over the configured bound.
+        `prompt_position`: the producer's prompt-stream position after these groups, kept
+        with them (a restarted producer continues there)."""
+        ...
+
+    def prompt_positions(self) -> dict[str, int]:
+        """Producer name -> prompt-stream position as of its last put."""
+        ...
+
+    def restore_prompt_positions(self, positions: dict[str, int]) -> None:
+        """Set positions (from a checkpoint) for producers the stream has none for."""
         ...
 
     def get(self, count: int, block_ms: int = 1000) -> list[Received]:
@@ -83,7 +98,7 @@ class ExperienceQueue(Protocol):
         ...
 
     def dead_letter(self, reason: str, detail: str, payload: bytes = b"") -> None:
-        """Record something that will never be trained on (e.g. a sample whose reward failed):
+        """Record something that will never be trained on (e.g. a group whose reward failed):
         `reason` is a short tag that is counted, `payload` opaque bytes (JSON from generators)."""
         ...
 
@@ -107,19 +122,20 @@ class AdmissionGate(Protocol):
 class ReplayDraw:
     """What the replay buffer hands the learner for one step."""
 
-    items: list[Received]  # train on these now
+    items: list[Received]  # train on these groups now
     first_use: list[str]  # entry ids trained for the first time: ack as "trained" after the step
     dropped: list[tuple[str, str]]  # (entry id, reason) evicted before any training: ack now
 
 
 class ReplayBuffer(Protocol):
-    """Learner-side store: each trajectory may be trained on up to max_reuse times while its
-    staleness (version - policy_version) stays within max_staleness; then it is evicted."""
+    """Learner-side store of whole groups: each may be trained on up to max_reuse times while
+    its staleness (version - the group's oldest policy_version) stays within max_staleness;
+    then it is evicted."""
 
     def add(self, items: Sequence[Received]) -> None: ...
 
     def draw(self, count: int, version: int) -> ReplayDraw:
-        """Up to `count` items usable at learner `version`, least-used and freshest first, none
+        """Up to `count` groups usable at learner `version`, least-used and oldest first, none
         of them drawn before at this version (a step may draw several times to fill a batch)."""
         ...
 

@@ -56,6 +56,9 @@ class Coordinator:
     def forget(self, n: int) -> None:
         self.gate.forget(n)
 
+    def step_trained(self, fresh: int) -> None:
+        self.gate.step_trained(fresh)
+
     def release(self, generator_id: str) -> int:
         """A generator died: free the samples it had admitted and will never finish."""
         n = self.running.pop(generator_id, 0)
@@ -192,7 +195,7 @@ class LearnerWorker:
                                    temperature=cfg.generator.temperature, seed=cfg.seed)
         self.broadcaster = WeightBroadcaster(timeout_s=60) if rank == 0 else None
         self.learner = Learner(
-            cfg.learner, backend, max_staleness=cfg.max_staleness,
+            cfg.learner, backend, max_staleness=cfg.max_staleness, group_size=cfg.generator.group_size,
             queue=RedisExperienceQueue.from_config(cfg.queue, redis_url, consumer=f"learner-{rank}")
             if rank == 0 else None,
             replay=StalenessReplay(max_reuse=cfg.learner.max_reuse, max_staleness=cfg.max_staleness)

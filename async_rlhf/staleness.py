@@ -1,14 +1,17 @@
 """The staleness bound k as an admission gate (AReaL's rule); the learner also drops what is older.
 
-Samples are trained in the order they are accepted, `batch_size` per learner step, so the i-th
-accepted sample is trained at learner version floor(i / batch_size). A generator whose weights
+Samples are trained in the order they are accepted (the replay serves the oldest group first),
+`batch_size` per learner step, so the i-th accepted sample is trained at learner version
+floor(i / batch_size). Two corrections keep that true: samples dropped before training give
+their places back (`forget`), and a step that re-uses samples from replay trains fewer fresh
+ones, which moves every later sample back by the shortfall (`step_trained`). A generator whose weights
 are version v is admitted to generate n more samples only while
 
     accepted + running + n <= (k + v + 1) * batch_size,
 
 so each of them is trained by version k + v at the latest: staleness <= k, as long as batches
 finish in the order they were admitted. They need not (generators run at different speeds, and a
-sample whose reward failed leaves a gap), so the gate keeps staleness low rather than exact: the
+group whose reward failed leaves a gap), so the gate keeps staleness low rather than exact: the
 learner drops (and counts) whatever still arrives older than k. A whole batch is admitted while
 any slot is free, so a gap left by set-aside samples can never stall a k = 0 job one sample
 short of a learner batch. Using the version of
@@ -62,6 +65,15 @@ class StalenessGate:
             )
         self.running -= n_admitted
         self.accepted += n_accepted
+
+    def step_trained(self, fresh: int) -> None:
+        """A learner step trained `fresh` samples for the first time, the rest of its batch
+        re-used from replay (learner.max_reuse > 1). Every sample not yet trained then trains
+        batch_size - fresh places later than counted: count the shortfall as accepted, so the
+        bound keeps holding."""
+        if not 0 <= fresh <= self.batch_size:
+            raise ValueError(f"step_trained({fresh}): a step trains 0..{self.batch_size} fresh samples")
+        self.accepted += self.batch_size - fresh
 
     def forget(self, n: int) -> None:
         """n accepted samples were dropped before training (stale or malformed): free their slots."""

@@ -5,6 +5,7 @@ prompts -> generator -> scorer -> experience queue -> learner -> weight broadcas
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -12,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # Bump when a field is added, removed or changes meaning; the codec refuses other versions.
-SCHEMA_VERSION = 1
+# v2: a stream entry holds a whole Group (v1 held one Trajectory).
+SCHEMA_VERSION = 2
 
 
 class TrajectoryError(ValueError):
@@ -50,7 +52,7 @@ class Sample:
 
 @dataclass(frozen=True)
 class Trajectory:
-    """A scored sample: the unit the experience stream carries and the learner trains on."""
+    """A scored sample: one member of a Group, one row of the learner's batch."""
 
     prompt_ids: np.ndarray  # int32 [P]
     response_ids: np.ndarray  # int32 [T]
@@ -106,8 +108,54 @@ class Trajectory:
 
 
 @dataclass(frozen=True)
+class Group:
+    """The samples of one prompt (GRPO's n), scored: the unit from generation to loss.
+
+    One stream entry holds one group, so a group reaches the learner whole or not at all, and
+    is trained, dropped or dead-lettered as one: GRPO and RLOO baselines assume all n samples.
+    """
+
+    members: tuple[Trajectory, ...]
+
+    @property
+    def group_id(self) -> str:
+        return self.members[0].group_id
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest member's version: the group's staleness is its stalest sample's."""
+        return min(t.policy_version for t in self.members)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def with_version(self, version: int) -> Group:
+        """The same group with every member stamped `version` (benchmarks replay old data)."""
+        return Group(tuple(dataclasses.replace(t, policy_version=version) for t in self.members))
+
+    def validate(self, *, logprobs: bool = True) -> None:
+        """Raise TrajectoryError if this group must not be trained on: it is empty, its
+        members disagree on group_id, or a member fails Trajectory.validate (its reason; the
+        detail names the member). logprobs: as in Trajectory.validate."""
+        if not self.members:
+            raise TrajectoryError("empty_group", "a group needs at least one trajectory")
+        ids = {t.group_id for t in self.members}
+        if len(ids) > 1:
+            raise TrajectoryError(
+                "group_id", f"members carry {len(ids)} group ids {sorted(ids)[:4]}: a group "
+                "holds the samples of one prompt only (the producer mixed groups)",
+            )
+        for i, t in enumerate(self.members):
+            try:
+                t.validate(logprobs=logprobs)
+            except TrajectoryError as e:
+                raise TrajectoryError(e.reason, f"member {i} of group {t.group_id!r}: {e.detail}") from None
+
+
+@dataclass(frozen=True)
 class Received:
-    """A trajectory read from the experience queue, with the id to acknowledge it by."""
+    """A group read from the experience queue, with the stream entry id to acknowledge it by."""
 
     entry_id: str
-    trajectory: Trajectory
+    group: Group

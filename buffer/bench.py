@@ -1,5 +1,9 @@
 """`async-rlhf bench-queue`: experience-stream throughput next to raw redis-py, in one run.
 
+Each stream entry is one group of --group-size trajectories (schema v2); rates are given in
+trajectories per second (entries/s = that / group size) and MB/s. The figures quoted below were
+measured with schema v1 (one trajectory per entry).
+
 Produce: RedisExperienceQueue.put (encode + pipelined XADDs in MULTI/EXEC + counter + backlog
 measure) vs raw pipelined XADD of the same pre-encoded bytes. Consume: RedisExperienceQueue.get +
 ack (XAUTOCLAIM check, XREADGROUP, decode + validate, owner-checked XACK + XDEL in Lua) vs raw
@@ -30,34 +34,37 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=20_000, help="trajectories per round")
+    parser.add_argument("--group-size", type=int, default=4, help="trajectories per group (stream entry)")
     parser.add_argument("--tokens", type=int, default=512, help="response tokens per trajectory")
     parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=512, help="entries per put / get call")
+    parser.add_argument("--batch", type=int, default=128, help="entries (groups) per put / get call")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--redis-url", help="use this Redis instead of an embedded redis-server")
     parser.add_argument("--durable", action="store_true", help="embedded Redis with AOF everysec")
     parser.add_argument("--out", default="runs/bench-queue.json", help="JSON results file")
 
 
-def _trajectories(n: int, tokens: int, prompt_tokens: int) -> list:
+def _groups(n: int, tokens: int, prompt_tokens: int, group_size: int) -> list:
+    """n // group_size groups of group_size random trajectories."""
     import numpy as np
 
-    from async_rlhf.types import Trajectory
+    from async_rlhf.types import Group, Trajectory
 
     rng = np.random.default_rng(0)
-    return [
+    trajs = [
         Trajectory(
             prompt_ids=rng.integers(0, 32_000, prompt_tokens, dtype=np.int32),
             response_ids=rng.integers(0, 32_000, tokens, dtype=np.int32),
             behavior_logprobs=-rng.random(tokens, dtype=np.float32),
             reward=float(i % 2), reward_parts={"correct": float(i % 2)}, policy_version=0,
-            generator_id="bench", group_id=f"p{i // 4}", finished=True,
+            generator_id="bench", group_id=f"p{i // group_size}", finished=True,
         )
-        for i in range(n)
+        for i in range(n - n % group_size)
     ]
+    return [Group(tuple(trajs[i:i + group_size])) for i in range(0, len(trajs), group_size)]
 
 
-def _raw_round(client, trajs: list, payloads: list[bytes], batch: int, codec: bool):
+def _raw_round(client, groups: list, payloads: list[bytes], batch: int, codec: bool):
     """Raw redis-py: pipelined XADD, XREADGROUP + XACK. With `codec`, also encode before the
     XADDs and decode (and validate) after the reads: the queue's work minus its bookkeeping."""
     from buffer.codec import decode_batch, encode
@@ -66,7 +73,7 @@ def _raw_round(client, trajs: list, payloads: list[bytes], batch: int, codec: bo
     client.xgroup_create(stream, group, id="0", mkstream=True)
     t0 = time.perf_counter()
     for start in range(0, len(payloads), batch):
-        chunk = [encode(t) for t in trajs[start : start + batch]] if codec else payloads[start : start + batch]
+        chunk = [encode(g) for g in groups[start : start + batch]] if codec else payloads[start : start + batch]
         pipe = client.pipeline(transaction=False)
         for data in chunk:
             pipe.xadd(stream, {b"t": data})
@@ -77,7 +84,7 @@ def _raw_round(client, trajs: list, payloads: list[bytes], batch: int, codec: bo
         reply = client.xreadgroup(group, "c", {stream: ">"}, count=batch)
         entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
         if codec:  # kept until the next read, as a consumer keeps the batch it trains on
-            batch_trajs = decode_batch([fields[b"t"] for _, fields in entries])  # noqa: F841
+            batch_groups = decode_batch([fields[b"t"] for _, fields in entries])  # noqa: F841
         client.xack(stream, group, *[entry_id for entry_id, _ in entries])
         consumed += len(entries)
     t2 = time.perf_counter()
@@ -85,24 +92,24 @@ def _raw_round(client, trajs: list, payloads: list[bytes], batch: int, codec: bo
     return t1 - t0, t2 - t1
 
 
-def _queue_round(client, trajs: list, batch: int) -> tuple[float, float]:
+def _queue_round(client, groups: list, batch: int) -> tuple[float, float]:
     from buffer.redis_stream import RedisExperienceQueue
 
     stream = f"bench-queue-{uuid.uuid4().hex[:8]}"
-    queue = RedisExperienceQueue(client, "c", stream=stream, max_backlog=len(trajs) + batch,
+    queue = RedisExperienceQueue(client, "c", stream=stream, max_backlog=len(groups) + batch,
                                  put_chunk=batch)
     t0 = time.perf_counter()
-    for start in range(0, len(trajs), batch):
-        queue.put(trajs[start : start + batch])
+    for start in range(0, len(groups), batch):
+        queue.put(groups[start : start + batch])
     t1 = time.perf_counter()
     consumed = 0
-    while consumed < len(trajs):
+    while consumed < len(groups):
         got = queue.get(batch)
         queue.ack([r.entry_id for r in got])
         consumed += len(got)
     t2 = time.perf_counter()
     stats = queue.stats()
-    if stats.counters.get("trained") != len(trajs) or stats.pending or stats.backlog:
+    if stats.counters.get("trained") != len(groups) or stats.pending or stats.backlog:
         raise RuntimeError(f"bench accounting is off: {stats}")
     client.delete(stream, queue.dead_stream, queue.counters_key)
     return t1 - t0, t2 - t1
@@ -114,21 +121,22 @@ def run(args: argparse.Namespace) -> int:
     from buffer.codec import encode
     from buffer.redis_server import EmbeddedRedis
 
-    trajs = _trajectories(args.n, args.tokens, args.prompt_tokens)
-    payloads = [encode(t) for t in trajs]
+    groups = _groups(args.n, args.tokens, args.prompt_tokens, args.group_size)
+    args.n = len(groups) * args.group_size  # whole groups
+    payloads = [encode(g) for g in groups]
     mb = sum(len(p) for p in payloads) / 1e6
     server = None if args.redis_url else EmbeddedRedis(durable=args.durable).start()
     url = args.redis_url or server.url
     client = redis.Redis.from_url(url, decode_responses=False)
     rounds: dict[str, list[tuple[float, float]]] = {"raw": [], "raw_codec": [], "queue": []}
     try:
-        warm = min(args.n, 2 * args.batch)
-        _raw_round(client, trajs[:warm], payloads[:warm], args.batch, codec=True)
-        _queue_round(client, trajs[:warm], args.batch)
+        warm = min(len(groups), 2 * args.batch)
+        _raw_round(client, groups[:warm], payloads[:warm], args.batch, codec=True)
+        _queue_round(client, groups[:warm], args.batch)
         for _ in range(args.rounds):  # interleaved, so that load changes hit all three alike
-            rounds["raw"].append(_raw_round(client, trajs, payloads, args.batch, codec=False))
-            rounds["raw_codec"].append(_raw_round(client, trajs, payloads, args.batch, codec=True))
-            rounds["queue"].append(_queue_round(client, trajs, args.batch))
+            rounds["raw"].append(_raw_round(client, groups, payloads, args.batch, codec=False))
+            rounds["raw_codec"].append(_raw_round(client, groups, payloads, args.batch, codec=True))
+            rounds["queue"].append(_queue_round(client, groups, args.batch))
     finally:
         client.close()
         if server is not None:
@@ -139,8 +147,9 @@ def run(args: argparse.Namespace) -> int:
         return {"seconds": s, "traj_per_s": args.n / s, "mb_per_s": mb / s}
 
     results = {
-        "n": args.n, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
-        "batch": args.batch, "rounds": args.rounds, "bytes_per_traj": mb * 1e6 / args.n,
+        "n": args.n, "group_size": args.group_size, "tokens": args.tokens,
+        "prompt_tokens": args.prompt_tokens, "batch": args.batch, "rounds": args.rounds,
+        "bytes_per_traj": mb * 1e6 / args.n,
         "redis": "external" if args.redis_url else ("embedded, AOF everysec" if args.durable
                                                     else "embedded, no persistence"),
     }
@@ -152,8 +161,9 @@ def run(args: argparse.Namespace) -> int:
             r["ratio_to_raw"] = r["traj_per_s"] / results["raw"][side]["traj_per_s"]
             if key == "queue":
                 r["ratio_to_raw_codec"] = r["traj_per_s"] / results["raw_codec"][side]["traj_per_s"]
-    print(f"{args.n} trajectories x {args.tokens} tokens ({results['bytes_per_traj']:.0f} B each), "
-          f"batch {args.batch}, median of {args.rounds} rounds, {results['redis']}")
+    print(f"{args.n} trajectories x {args.tokens} tokens ({results['bytes_per_traj']:.0f} B each) in "
+          f"groups of {args.group_size}, batch {args.batch} groups, median of {args.rounds} rounds, "
+          f"{results['redis']}")
     print(f"{'':34}{'traj/s':>9}{'MB/s':>8}{'vs raw':>8}{'vs raw+codec':>14}")
     rows = (("raw redis-py", "raw"), ("raw redis-py + codec", "raw_codec"),
             ("RedisExperienceQueue", "queue"))

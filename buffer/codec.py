@@ -1,24 +1,28 @@
-"""Trajectory <-> bytes for the experience stream: a msgpack map, arrays as raw little-endian bytes.
+"""Group <-> bytes for the experience stream: a msgpack map, arrays as raw little-endian bytes.
 
-Wire format (schema v1), one msgpack map:
+Wire format (schema v2), one msgpack map per stream entry, holding one whole group:
 
-    {"schema_version": 1,
-     "prompt_ids": {"dtype": "int32", "shape": [P], "data": <P*4 bytes>},
-     "response_ids": {...}, "behavior_logprobs": {"dtype": "float32", ...},
-     "reward": float, "reward_parts": {str: float}, "policy_version": int,
-     "generator_id": str, "group_id": str, "finished": bool,
-     "generated_at": float, "generation_s": float}
+    {"schema_version": 2,
+     "members": [                       # the group's trajectories, in order
+        {"prompt_ids": {"dtype": "int32", "shape": [P], "data": <P*4 bytes>},
+         "response_ids": {...}, "behavior_logprobs": {"dtype": "float32", ...},
+         "reward": float, "reward_parts": {str: float}, "policy_version": int,
+         "generator_id": str, "group_id": str, "finished": bool,
+         "generated_at": float, "generation_s": float},
+        ...]}
 
-Nothing is pickled: a decoder only ever builds numbers, strings and numpy arrays of the
-dtypes listed in `_DTYPES`; decoded arrays are read-only. `decode` raises TrajectoryError with a
-short reason tag ("garbage", "missing_field", "field_type", "schema", "array", then whatever
-`Trajectory.validate` finds) so the queue can dead-letter the entry under that reason.
+(v1 was one such trajectory map per entry, with its own schema_version.) Each decoded member's
+`schema_version` is the entry's. Nothing is pickled: a decoder only ever builds numbers,
+strings and numpy arrays of the dtypes listed in `_DTYPES`; decoded arrays are read-only.
+`decode` raises TrajectoryError with a short reason tag ("garbage", "missing_field",
+"field_type", "unknown_field", "schema", "array", then whatever `Group.validate` finds) so the
+queue can dead-letter the entry under that reason.
 
-Two decoders, one contract. The fast one (msgspec into the typed `_Wire` struct below: ~1 us
-instead of ~8 us of msgpack-python plus per-field checks) accepts only well-formed v1 entries
-with 1-D arrays whose byte count matches their shape; anything else it hands to the checked
-decoder, which is the reference: it accepts the same entries and names the reason for the rest.
-tests/test_codec.py checks that the two agree on every malformed input it knows.
+Two decoders, one contract. The fast one (msgspec into the typed `_Wire` struct below: ~1 us a
+member instead of ~8 us of msgpack-python plus per-field checks) accepts only well-formed v2
+entries with 1-D arrays whose byte count matches their shape; anything else it hands to the
+checked decoder, which is the reference: it accepts the same entries and names the reason for
+the rest. tests/test_codec.py checks that the two agree on every malformed input it knows.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import msgpack
 import msgspec
 import numpy as np
 
-from async_rlhf.types import SCHEMA_VERSION, Trajectory, TrajectoryError
+from async_rlhf.types import SCHEMA_VERSION, Group, Trajectory, TrajectoryError
 
 # dtype name -> little-endian numpy dtype; integer ids and float log-probs only.
 _DTYPES = {
@@ -56,7 +60,8 @@ _SCALARS: dict[str, frozenset[type]] = {
     "generated_at": _NUMBER,
     "generation_s": _NUMBER,
 }
-_FIELDS = frozenset(_ARRAYS) | frozenset(_SCALARS) | {"reward_parts", "schema_version"}
+_FIELDS = frozenset(_ARRAYS) | frozenset(_SCALARS) | {"reward_parts"}  # of a member map
+_ENVELOPE = frozenset(("schema_version", "members"))
 
 
 # The wire map as msgspec structs, fields in wire order. msgspec checks exact types as the
@@ -75,8 +80,7 @@ class _Floats(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     data: bytes
 
 
-class _Wire(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    schema_version: int
+class _Member(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     prompt_ids: _Ids
     response_ids: _Ids
     behavior_logprobs: _Floats
@@ -90,7 +94,12 @@ class _Wire(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     generation_s: float
 
 
-assert set(_Wire.__struct_fields__) == _FIELDS
+class _Wire(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    schema_version: int
+    members: list[_Member]
+
+
+assert set(_Member.__struct_fields__) == _FIELDS and set(_Wire.__struct_fields__) == _ENVELOPE
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(_Wire)
 
@@ -114,24 +123,26 @@ def _pack_array(arr: np.ndarray, struct: type[_Ids] | type[_Floats]) -> _Ids | _
     return struct(name, list(arr.shape), memoryview(np.ascontiguousarray(arr)))
 
 
-def encode(traj: Trajectory) -> bytes:
-    """The msgpack bytes of `traj` (not validated here: the consumer validates)."""
-    return _ENCODER.encode(
-        _Wire(
-            schema_version=traj.schema_version,
-            prompt_ids=_pack_array(traj.prompt_ids, _Ids),
-            response_ids=_pack_array(traj.response_ids, _Ids),
-            behavior_logprobs=_pack_array(traj.behavior_logprobs, _Floats),
-            reward=float(traj.reward),
-            reward_parts={str(k): float(v) for k, v in traj.reward_parts.items()},
-            policy_version=int(traj.policy_version),
-            generator_id=traj.generator_id,
-            group_id=traj.group_id,
-            finished=bool(traj.finished),
-            generated_at=float(traj.generated_at),
-            generation_s=float(traj.generation_s),
-        )
+def _pack_member(traj: Trajectory) -> _Member:
+    return _Member(
+        prompt_ids=_pack_array(traj.prompt_ids, _Ids),
+        response_ids=_pack_array(traj.response_ids, _Ids),
+        behavior_logprobs=_pack_array(traj.behavior_logprobs, _Floats),
+        reward=float(traj.reward),
+        reward_parts={str(k): float(v) for k, v in traj.reward_parts.items()},
+        policy_version=int(traj.policy_version),
+        generator_id=traj.generator_id,
+        group_id=traj.group_id,
+        finished=bool(traj.finished),
+        generated_at=float(traj.generated_at),
+        generation_s=float(traj.generation_s),
     )
+
+
+def encode(group: Group) -> bytes:
+    """The msgpack bytes of `group`, in this version's schema (not validated here: the
+    consumer validates)."""
+    return _ENCODER.encode(_Wire(SCHEMA_VERSION, [_pack_member(t) for t in group.members]))
 
 
 # Trajectory is a frozen dataclass: its __init__ sets each of its 12 fields through
@@ -139,32 +150,35 @@ def encode(traj: Trajectory) -> bytes:
 # the instance dict directly (~0.2 us); this holds only while Trajectory has no __post_init__,
 # no __slots__ and no field that the decoder does not set, which these lines check at import.
 _TRAJECTORY_FIELDS = frozenset(f.name for f in dataclasses.fields(Trajectory))
-assert _TRAJECTORY_FIELDS == _FIELDS and not hasattr(Trajectory, "__post_init__")
+assert _TRAJECTORY_FIELDS == _FIELDS | {"schema_version"} and not hasattr(Trajectory, "__post_init__")
 assert "__dict__" in dir(Trajectory) and not hasattr(Trajectory, "__slots__")
 
 
-def _decode_fast(data: bytes) -> Trajectory | None:
-    """The common case, fast: a well-formed v1 entry with 1-D arrays; None for anything else."""
+def _decode_fast(data: bytes) -> Group | None:
+    """The common case, fast: a well-formed v2 entry with 1-D arrays; None for anything else."""
     try:
         w = _DECODER.decode(data)
     except msgspec.DecodeError:  # also msgspec.ValidationError, its subclass
         return None
     if w.schema_version != SCHEMA_VERSION:
         return None
-    arrays = []
-    for arr in (w.prompt_ids, w.response_ids, w.behavior_logprobs):
-        dtype = _DTYPES[arr.dtype]
-        if len(arr.shape) != 1 or len(arr.data) != arr.shape[0] * dtype.itemsize:
-            return None
-        arrays.append(np.frombuffer(arr.data, dtype))  # read-only: msgspec made bytes
-    traj = object.__new__(Trajectory)
-    traj.__dict__.update(
-        prompt_ids=arrays[0], response_ids=arrays[1], behavior_logprobs=arrays[2],
-        reward=w.reward, reward_parts=w.reward_parts, policy_version=w.policy_version,
-        generator_id=w.generator_id, group_id=w.group_id, finished=w.finished,
-        generated_at=w.generated_at, generation_s=w.generation_s, schema_version=w.schema_version,
-    )
-    return traj
+    members = []
+    for m in w.members:
+        arrays = []
+        for arr in (m.prompt_ids, m.response_ids, m.behavior_logprobs):
+            dtype = _DTYPES[arr.dtype]
+            if len(arr.shape) != 1 or len(arr.data) != arr.shape[0] * dtype.itemsize:
+                return None
+            arrays.append(np.frombuffer(arr.data, dtype))  # read-only: msgspec made bytes
+        traj = object.__new__(Trajectory)
+        traj.__dict__.update(
+            prompt_ids=arrays[0], response_ids=arrays[1], behavior_logprobs=arrays[2],
+            reward=m.reward, reward_parts=m.reward_parts, policy_version=m.policy_version,
+            generator_id=m.generator_id, group_id=m.group_id, finished=m.finished,
+            generated_at=m.generated_at, generation_s=m.generation_s, schema_version=w.schema_version,
+        )
+        members.append(traj)
+    return Group(tuple(members))
 
 
 def _unpack_array(field: str, obj: object) -> np.ndarray:
@@ -196,38 +210,29 @@ def _unpack_array(field: str, obj: object) -> np.ndarray:
     return arr if len(shape) == 1 else arr.reshape(shape)
 
 
-def _decode_checked(data: bytes) -> Trajectory:
-    """The reference decoder (msgpack-python, every field checked): the trajectory in `data`,
-    not yet validated; raises TrajectoryError(reason, detail) for what it cannot be."""
-    try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several types (ExtraData, FormatError, ValueError...)
-        raise TrajectoryError("garbage", f"not msgpack ({type(e).__name__}: {e})") from None
-    if not isinstance(obj, dict):
-        raise TrajectoryError("garbage", f"expected a msgpack map, got {type(obj).__name__}")
-    version = obj.get("schema_version")
-    if type(version) is not int:
-        raise TrajectoryError("missing_field", f"schema_version missing or not an int: {version!r}")
-    if version != SCHEMA_VERSION:
-        raise TrajectoryError(
-            "schema",
-            f"trajectory schema v{version} not understood by this version (expects "
-            f"v{SCHEMA_VERSION}): run the same async-rlhf version everywhere",
-        )
-    if obj.keys() != _FIELDS:
-        missing, extra = sorted(_FIELDS - obj.keys()), sorted(obj.keys() - _FIELDS)
+def _check_keys(obj: dict, expected: frozenset[str], what: str) -> None:
+    if obj.keys() != expected:
+        missing, extra = sorted(expected - obj.keys()), sorted(obj.keys() - expected)
         if missing:
-            raise TrajectoryError("missing_field", f"missing {missing} (unexpected: {extra})")
-        raise TrajectoryError("unknown_field", f"unexpected fields {extra} in a v{version} trajectory")
+            raise TrajectoryError("missing_field", f"{what}: missing {missing} (unexpected: {extra})")
+        raise TrajectoryError("unknown_field", f"{what}: unexpected fields {extra}")
+
+
+def _member_checked(index: int, obj: object, version: int) -> Trajectory:
+    """Member `index` of an entry, every field checked (not yet validated)."""
+    what = f"member {index}"
+    if not isinstance(obj, dict):
+        raise TrajectoryError("field_type", f"{what} must be a map, got {type(obj).__name__}")
+    _check_keys(obj, _FIELDS, what)
     for name, allowed in _SCALARS.items():
         if type(obj[name]) not in allowed:
             names = "/".join(sorted(t.__name__ for t in allowed))
-            raise TrajectoryError("field_type", f"{name} must be {names}, got {obj[name]!r}")
+            raise TrajectoryError("field_type", f"{what}: {name} must be {names}, got {obj[name]!r}")
     parts = obj["reward_parts"]
     if type(parts) is not dict or not all(
         type(k) is str and type(v) in _NUMBER for k, v in parts.items()
     ):
-        raise TrajectoryError("field_type", f"reward_parts must map names to numbers, got {parts!r}")
+        raise TrajectoryError("field_type", f"{what}: reward_parts must map names to numbers, got {parts!r}")
     return Trajectory(
         prompt_ids=_unpack_array("prompt_ids", obj["prompt_ids"]),
         response_ids=_unpack_array("response_ids", obj["response_ids"]),
@@ -244,50 +249,75 @@ def _decode_checked(data: bytes) -> Trajectory:
     )
 
 
-def _decode_unvalidated(data: bytes) -> Trajectory:
+def _decode_checked(data: bytes) -> Group:
+    """The reference decoder (msgpack-python, every field checked): the group in `data`, not
+    yet validated; raises TrajectoryError(reason, detail) for what it cannot be."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several types (ExtraData, FormatError, ValueError...)
+        raise TrajectoryError("garbage", f"not msgpack ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, dict):
+        raise TrajectoryError("garbage", f"expected a msgpack map, got {type(obj).__name__}")
+    version = obj.get("schema_version")
+    if type(version) is not int:
+        raise TrajectoryError("missing_field", f"schema_version missing or not an int: {version!r}")
+    if version != SCHEMA_VERSION:
+        raise TrajectoryError(
+            "schema",
+            f"experience schema v{version} not understood by this version (expects "
+            f"v{SCHEMA_VERSION}): run the same async-rlhf version everywhere",
+        )
+    _check_keys(obj, _ENVELOPE, f"a v{version} entry")
+    members = obj["members"]
+    if type(members) is not list:
+        raise TrajectoryError("field_type", f"members must be a list of trajectory maps, got {members!r:.80}")
+    return Group(tuple(_member_checked(i, m, version) for i, m in enumerate(members)))
+
+
+def _decode_unvalidated(data: bytes) -> Group:
     # Either way the arrays view fresh bytes objects the decoder made, never `data` itself.
     return _decode_fast(data) or _decode_checked(data)
 
 
-def decode(data: bytes) -> Trajectory:
-    """The trajectory in `data`, checked; raises TrajectoryError(reason, detail) otherwise."""
-    traj = _decode_unvalidated(data)
-    traj.validate()
-    return traj
+def decode(data: bytes) -> Group:
+    """The group in `data`, checked; raises TrajectoryError(reason, detail) otherwise."""
+    group = _decode_unvalidated(data)
+    group.validate()
+    return group
 
 
-def _error_of(traj: Trajectory) -> TrajectoryError | None:
+def _error_of(group: Group) -> TrajectoryError | None:
     try:
-        traj.validate()
+        group.validate()
     except TrajectoryError as e:
         return e
     return None
 
 
-def decode_batch(payloads: Sequence[bytes]) -> list[Trajectory | TrajectoryError]:
-    """[decode(p) for p in payloads], with a TrajectoryError in place of each trajectory that
-    decode would refuse. The log-probs of the batch are checked in one numpy pass over their
+def decode_batch(payloads: Sequence[bytes]) -> list[Group | TrajectoryError]:
+    """[decode(p) for p in payloads], with a TrajectoryError in place of each group that decode
+    would refuse. The log-probs of the batch are checked in one numpy pass over their
     concatenation (~0.4 us a trajectory instead of ~1.8); only if that pass finds something
-    wrong are the trajectories validated one by one, so each error is the one decode raises."""
-    out: list[Trajectory | TrajectoryError] = []
+    wrong are the groups validated one by one, so each error is the one decode raises."""
+    out: list[Group | TrajectoryError] = []
     logprobs = []
     for data in payloads:
         try:
-            traj = _decode_unvalidated(data)
+            group = _decode_unvalidated(data)
         except TrajectoryError as e:
             out.append(e)
             continue
         try:
-            traj.validate(logprobs=False)
+            group.validate(logprobs=False)
         except TrajectoryError:  # a full validate() may stop at an earlier check: its reason
-            out.append(_error_of(traj))
+            out.append(_error_of(group))
             continue
-        out.append(traj)
-        logprobs.append(traj.behavior_logprobs)
+        out.append(group)
+        logprobs += [t.behavior_logprobs for t in group.members]
     if logprobs:
         # Concatenating float16/32/64 is exact, and a comparison in the wider type only ever
         # fails more (float16(1e-4) > 1e-4): a false alarm just costs the slow pass below.
         flat = np.concatenate(logprobs)
         if not (flat.min() > -math.inf and flat.max() <= 1e-4):
-            out = [r if type(r) is not Trajectory else (_error_of(r) or r) for r in out]
+            out = [r if type(r) is not Group else (_error_of(r) or r) for r in out]
     return out

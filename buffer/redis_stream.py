@@ -1,12 +1,19 @@
 """The experience queue on a Redis Stream with one consumer group (implements ExperienceQueue).
 
+The unit is the stream entry, and an entry holds one whole GRPO group (`types.Group`: the n
+scored samples of one prompt). Everything below (put chunks, the backlog bound, acks,
+reclaims, dead letters, every counter) counts entries, i.e. groups, never samples, and acts on
+a group as a whole: a group is never split between consumers, steps or fates.
+
 Keys, for stream name S:
-    S             the stream; one field b"t" per entry holding `codec.encode(trajectory)`
+    S             the stream; one field b"t" per entry holding `codec.encode(group)`
     S:dead        the dead-letter stream: raw bytes, reason, detail, original id, consumer
-    S:counters    a hash of counts shared by every process: produced, trained, dropped_stale,
-                  dead_lettered, ... (every `ack` reason), which always satisfy
-                  produced = sum of ack reasons + dead_lettered + backlog + pending;
+    S:counters    a hash of counts of entries (groups) shared by every process: produced,
+                  trained, dropped_stale, dead_lettered, ... (every `ack` reason), which always
+                  satisfy produced = sum of ack reasons + dead_lettered + backlog + pending;
                   plus events that are not fates: reclaimed, ack_lost, set_aside[:reason]
+    S:prompt_positions  producer name -> prompts it had taken at its last put (`put` writes it
+                  with the groups, atomically), where a restarted producer continues
 
 Lifecycle of an entry: `put` XADDs it; `get` delivers it to one consumer (XREADGROUP, or
 XAUTOCLAIM once it has been idle for claim_idle_ms in the hands of another consumer, presumed
@@ -41,7 +48,7 @@ import redis
 
 from async_rlhf.config import QueueConfig
 from async_rlhf.protocols import QueueStats
-from async_rlhf.types import Received, Trajectory, TrajectoryError
+from async_rlhf.types import Group, Received, TrajectoryError
 from buffer.codec import decode_batch, encode
 
 log = logging.getLogger(__name__)
@@ -130,7 +137,7 @@ class DeadLetter:
     reason: str  # TrajectoryError.reason: garbage, schema, non_finite_reward, ...
     detail: str
     consumer: str  # who found it
-    raw: bytes  # the entry's bytes as produced (re-encoded from the trajectory for a `reject`)
+    raw: bytes  # the entry's bytes as produced (re-encoded from the group for a `reject`)
 
 
 def _chunks(items: Sequence, size: int) -> Iterable[Sequence]:
@@ -141,8 +148,9 @@ def _chunks(items: Sequence, size: int) -> Iterable[Sequence]:
 class RedisExperienceQueue:
     """ExperienceQueue on a Redis Stream; one object per process and consumer name.
 
-    put: chunks of pipelined XADDs, each in one MULTI/EXEC with the `produced` count, each
-    waiting while the undelivered backlog leaves no room for it. get: reclaims entries idle >
+    put: chunks of pipelined XADDs (one entry per group), each in one MULTI/EXEC with the
+    `produced` count, each waiting while the undelivered backlog (max_backlog entries, i.e.
+    groups) leaves no room for it. get: reclaims entries idle >
     claim_idle_ms first (including this consumer name's own, left by a previous incarnation
     that crashed), then reads new ones; entries that fail to decode are dead-lettered, never
     returned. ack / renew: see the module docstring.
@@ -174,6 +182,7 @@ class RedisExperienceQueue:
         self.consumer = consumer
         self.stream, self.group = stream, group
         self.dead_stream, self.counters_key = f"{stream}:dead", f"{stream}:counters"
+        self.positions_key = f"{stream}:prompt_positions"
         self.max_backlog, self.claim_idle_ms = max_backlog, claim_idle_ms
         self.max_deliveries = max_deliveries
         self.dead_letter_maxlen, self.put_chunk = dead_letter_maxlen, put_chunk
@@ -230,25 +239,46 @@ class RedisExperienceQueue:
             sleep_s = min(sleep_s * 2, 0.1)
         self._backlog_seen = backlog
 
-    def put(self, trajectories: Sequence[Trajectory], timeout_s: float | None = None) -> None:
-        """Append the trajectories, put_chunk at a time: each chunk is one MULTI/EXEC of
-        XADDs plus the `produced` count, which also measures the backlog for the next chunk.
+    def put(self, groups: Sequence[Group], timeout_s: float | None = None,
+            prompt_position: int | None = None) -> None:
+        """Append the groups, one entry each, put_chunk entries at a time: each chunk is one
+        MULTI/EXEC of XADDs plus the `produced` count, which also measures the backlog for the
+        next chunk.
         A chunk waits (up to timeout_s, None: forever; then QueueFull) while the backlog leaves
         no room for it; a chunk larger than max_backlog waits for an empty backlog. The check
-        precedes the append, so concurrent producers may overshoot by one chunk each."""
+        precedes the append, so concurrent producers may overshoot by one chunk each.
+        `prompt_position`: this producer's prompt-stream position once these groups are in,
+        recorded in the same transaction as the last chunk (see prompt_positions)."""
         start = time.monotonic()
-        for chunk in _chunks(trajectories, self.put_chunk):
-            payloads = [encode(t) for t in chunk]
-            if self._backlog_seen > max(self.max_backlog - len(chunk), 0):
+        chunks = list(_chunks(groups, self.put_chunk)) or [[]]
+        for i, chunk in enumerate(chunks):
+            payloads = [encode(g) for g in chunk]
+            if chunk and self._backlog_seen > max(self.max_backlog - len(chunk), 0):
                 self._wait_for_room(len(chunk), timeout_s, start)
             pipe = self._r.pipeline(transaction=True)
             for data in payloads:  # = pipe.xadd(self.stream, {FIELD: data}), ~0.5 us less each
                 pipe.execute_command("XADD", self.stream, "*", FIELD, data)
             pipe.hincrby(self.counters_key, "produced", len(chunk))
+            if prompt_position is not None and i == len(chunks) - 1:
+                pipe.hset(self.positions_key, self.consumer, prompt_position)
             pipe.xlen(self.stream)
             pipe.xpending(self.stream, self.group)
             *_, length, pending = pipe.execute()
             self._backlog_seen = length - pending["pending"]
+
+    def prompt_positions(self) -> dict[str, int]:
+        """Producer name -> how many prompts it had taken when its last put went in. A producer
+        that restarts (a replaced generator, a resumed job) continues its prompt stream there:
+        the prompts of every group in the stream are behind that point."""
+        return {k.decode(): int(v) for k, v in self._r.hgetall(self.positions_key).items()}
+
+    def restore_prompt_positions(self, positions: dict[str, int]) -> None:
+        """Record positions (from a checkpoint) for the producers the stream knows nothing of:
+        a stream that went on after the checkpoint keeps its own, newer ones."""
+        pipe = self._r.pipeline(transaction=True)
+        for name, position in positions.items():
+            pipe.hsetnx(self.positions_key, name, position)
+        pipe.execute()
 
     # -- consumer side ---------------------------------------------------------------------
 
@@ -291,7 +321,7 @@ class RedisExperienceQueue:
         return keep
 
     def get(self, count: int, block_ms: int = 1000) -> list[Received]:
-        """Up to `count` entries: those idle > claim_idle_ms in another consumer's hands if
+        """Up to `count` entries (groups): those idle > claim_idle_ms in another consumer's hands if
         any, else new ones, waiting up to block_ms (<= 0: not at all) for some to arrive.
         Malformed entries are dead-lettered instead of returned."""
         if count <= 0:
@@ -307,11 +337,11 @@ class RedisExperienceQueue:
             entries = [(i, f.get(FIELD, b"")) for i, f in reply[0][1]] if reply else []
         payloads = [data for _, data in entries]
         out, bad = [], []
-        for (raw_id, data), traj in zip(entries, decode_batch(payloads)):
-            if type(traj) is Trajectory:
-                out.append(Received(raw_id.decode(), traj))
+        for (raw_id, data), group in zip(entries, decode_batch(payloads)):
+            if type(group) is Group:
+                out.append(Received(raw_id.decode(), group))
             else:
-                bad.append((raw_id.decode(), traj, data))
+                bad.append((raw_id.decode(), group, data))
         self._held.update([r.entry_id for r in out])
         if bad:
             self._dead_letter(bad)
@@ -321,7 +351,7 @@ class RedisExperienceQueue:
         """Move received entries that cannot be trained on to S:dead, re-encoded, with their
         reason, counted `dead_lettered` (only those this consumer still owns)."""
         if rejected:
-            self._dead_letter([(r.entry_id, err, encode(r.trajectory)) for r, err in rejected])
+            self._dead_letter([(r.entry_id, err, encode(r.group)) for r, err in rejected])
             self._held.difference_update(r.entry_id for r, _ in rejected)
 
     def _dead_letter(self, bad: list[tuple[str, TrajectoryError, bytes]]) -> None:
@@ -362,8 +392,8 @@ class RedisExperienceQueue:
 
     def dead_letter(self, reason: str, detail: str, payload: bytes = b"") -> None:
         """Record something that never entered the stream and will never be trained on (e.g. a
-        sample whose reward failed) in S:dead, with an empty original_id. Counted as `set_aside`
-        and `set_aside:<reason>`, not `dead_lettered`: it was never `produced`, and
+        group one of whose rewards failed) in S:dead, with an empty original_id. Counted once as
+        `set_aside` and `set_aside:<reason>`, not `dead_lettered`: it was never `produced`, and
         produced = trained + dropped_* + dead_lettered + backlog + pending must keep holding."""
         pipe = self._r.pipeline(transaction=True)
         pipe.xadd(self.dead_stream, {"id": "", "reason": reason, "detail": detail,

@@ -1,9 +1,14 @@
 """Learner-side replay with a staleness bound (implements ReplayBuffer). Pure logic, no I/O.
 
-Each trajectory may be trained on up to `max_reuse` times while its staleness at the learner,
-`version - policy_version`, is at most `max_staleness`. `draw` first evicts what the bound no
-longer allows, then hands out the least-used, freshest items. The ReplayDraw it returns tells
-the learner what to acknowledge on the queue:
+It holds whole groups (one stream entry each, `Received.group`), and draws, counts and evicts
+groups, never single samples. Each group may be trained on up to `max_reuse` times while its
+staleness at the learner, `version - group.policy_version` (its oldest member's), is at most
+`max_staleness`. `draw` first evicts what the bound no longer allows, then hands out the
+least-used groups, oldest first (policy_version ascending, then arrival): the order the
+staleness gate assumes (async_rlhf/staleness.py: samples are trained in the order they are
+accepted), and the one that trains a group before it goes stale rather than letting newer
+groups push it past the bound. The ReplayDraw it returns tells the learner what to
+acknowledge on the queue:
   - first_use: ids trained for the first time in this draw: ack them as "trained" after the step
     (the queue entry is then gone; later reuses come from memory only);
   - dropped: (id, "dropped_stale") for items evicted before they were ever trained: ack now.
@@ -43,7 +48,7 @@ class StalenessReplay:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
     def add(self, items: Sequence[Received]) -> None:
-        """Keep new items; an id already held (a redelivery) is ignored and counted."""
+        """Keep new groups; an id already held (a redelivery) is ignored and counted."""
         for item in items:
             if item.entry_id in self._slots:
                 self.evicted["duplicate_ignored"] += 1
@@ -52,14 +57,14 @@ class StalenessReplay:
             self._seq += 1
 
     def draw(self, count: int, version: int) -> ReplayDraw:
-        """Up to `count` items usable at learner `version`, none already drawn at this version
-        (a step may draw several times while it fills its batch): least-used first, then
-        freshest (highest policy_version), then first come."""
+        """Up to `count` groups usable at learner `version`, none already drawn at this version
+        (a step may draw several times while it fills its batch): least-used first, then oldest
+        (lowest policy_version), then first come."""
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         dropped: list[tuple[str, str]] = []
         for entry_id, slot in list(self._slots.items()):
-            if version - slot.item.trajectory.policy_version > self.max_staleness:
+            if version - slot.item.group.policy_version > self.max_staleness:
                 del self._slots[entry_id]
                 if slot.uses == 0:
                     dropped.append((entry_id, "dropped_stale"))
@@ -68,7 +73,7 @@ class StalenessReplay:
                     self.evicted["stale_after_use"] += 1
         order = sorted(
             (s for s in self._slots.values() if s.drawn_at != version),
-            key=lambda s: (s.uses, -s.item.trajectory.policy_version, s.seq),
+            key=lambda s: (s.uses, s.item.group.policy_version, s.seq),
         )
         chosen = order[:count]
         first_use = [s.item.entry_id for s in chosen if s.uses == 0]

@@ -1,7 +1,7 @@
 """`async-rlhf bench-learner`: learner throughput and where its time goes.
 
 Builds a preset-shaped random-init Llama in-process (no download), feeds the real Learner and
-DeepSpeed backend pre-generated random trajectories from memory (no Redis: this measures learner
+DeepSpeed backend pre-generated random groups of trajectories from memory (no Redis: this measures learner
 compute; `bench-queue` measures the stream), warms up, then times steps: trained samples/s,
 response tokens/s, and the share of each step spent waiting, recomputing pi_prox, in the train
 forward, backward, optimizer step and the full-weight gather for the weight sync. Several ZeRO
@@ -11,7 +11,6 @@ stages can be compared in one run. Writes JSON + PNG.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="small", choices=["tiny", "small"])
     parser.add_argument("--zero-stage", type=int, nargs="+", default=[0], help="one or more stages to compare")
     parser.add_argument("--batch-size", type=int, default=16, help="trajectories per step")
+    parser.add_argument("--group-size", type=int, default=4, help="trajectories per group (GRPO's n)")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--response-len", type=int, default=32)
@@ -45,27 +45,28 @@ def bench_one(args: argparse.Namespace, zero_stage: int) -> dict:
     from async_rlhf.config import LearnerConfig
     from learners.deepspeed_backend import DeepSpeedBackend
     from learners.learner import Learner
-    from learners.memory import PRESETS, OnceReplay, PreloadedQueue, build_llama, random_trajectories
+    from learners.memory import PRESETS, OnceReplay, PreloadedQueue, build_llama, random_groups
 
     cfg = LearnerConfig(batch_size=args.batch_size, micro_batch=args.micro_batch, zero_stage=zero_stage,
                         steps=args.warmup + args.steps)
     model = build_llama(args.preset)
     params = sum(p.numel() for p in model.parameters())
     backend = DeepSpeedBackend(cfg, model, dtype=args.dtype)
-    n = cfg.batch_size * cfg.steps
-    trajs = random_trajectories(n, vocab=PRESETS[args.preset]["vocab_size"], prompt_len=args.prompt_len,
-                                response_len=args.response_len)
     queue = PreloadedQueue()
-    learner = Learner(cfg, backend, max_staleness=0, queue=queue, replay=OnceReplay(),
-                      publisher=NullPublisher())
+    learner = Learner(cfg, backend, max_staleness=0, group_size=args.group_size, queue=queue,
+                      replay=OnceReplay(), publisher=NullPublisher())
+    per_batch = cfg.batch_size // args.group_size
+    n = per_batch * cfg.steps  # groups
+    groups = random_groups(n, vocab=PRESETS[args.preset]["vocab_size"], prompt_len=args.prompt_len,
+                           response_len=args.response_len, group_size=args.group_size)
     for i in range(cfg.steps):  # stamp each batch with the version that will train it
-        queue.put([dataclasses.replace(t, policy_version=i) for t in trajs[i * cfg.batch_size:(i + 1) * cfg.batch_size]])
+        queue.put([g.with_version(i) for g in groups[i * per_batch:(i + 1) * per_batch]])
     learner.train(args.warmup)
     t0 = time.perf_counter()
     history = learner.train(args.steps)
     wall = time.perf_counter() - t0
     if dict(queue.acked) != {"trained": n}:  # anything dropped would make the numbers lie
-        raise RuntimeError(f"bench-learner expected {n} trajectories trained, got {dict(queue.acked)}")
+        raise RuntimeError(f"bench-learner expected {n} groups trained, got {dict(queue.acked)}")
     totals = {p: sum(m[f"time_{p}"] for m in history) for p in PHASES}
     samples = sum(m["samples"] for m in history)
     tokens = sum(m["tokens"] for m in history)

@@ -1,14 +1,16 @@
 """The learner loop: stream -> replay -> decoupled-PPO step on DeepSpeed -> weights out.
 
 How data-parallel ranks split the data: rank 0 is the only consumer of the experience stream
-and the only owner of the replay buffer and the weight publisher. Each step it draws exactly
-`batch_size` trajectories, packs them into tensors and broadcasts them to every rank, so all
-ranks see the same global batch: group advantages (GRPO, RLOO) are computed on the whole batch,
-so a group never straddles ranks for its statistics, and loss normalisers are global counts.
-Rank r then trains rows [r*n, (r+1)*n) of each minibatch (n = batch / (minibatches * ranks)).
-A group's statistics use the members the replay put in this batch; the replay should hand out
-whole groups (a group split over two steps shows as smaller groups; `groups_singleton` counts
-the ones left with one member, whose GRPO/RLOO advantage is 0).
+and the only owner of the replay buffer and the weight publisher. Each step it draws whole
+groups (one stream entry each) holding exactly `batch_size` trajectories, packs them into
+tensors and broadcasts them to every rank, so all ranks see the same global batch: group
+advantages (GRPO, RLOO) are computed on the whole batch, so a group never straddles ranks for
+its statistics, and loss normalisers are global counts. Rank r then trains rows [r*n, (r+1)*n)
+of each minibatch (n = batch / (minibatches * ranks)).
+A group is the unit from the stream to the loss: every group in a batch has exactly
+`group_size` members (a group of another size is rejected to the dead-letter stream as
+`group_size`, never split or padded), and staleness drops, rejects and acks act on whole
+groups; `groups`, `group_size_min` and `groups_singleton` in the metrics show it.
 Only rank 0 acks. The launcher starts one Learner per rank; ranks other than 0 get queue=None,
 replay=None, publisher=None.
 
@@ -25,6 +27,8 @@ restarts from the checkpoint with its version and counters, and trains on fresh 
 from __future__ import annotations
 
 import collections
+import logging
+import math
 import os
 import shutil
 import time
@@ -38,10 +42,12 @@ import torch.distributed as dist
 
 from async_rlhf.config import LearnerConfig
 from async_rlhf.protocols import ExperienceQueue, ReplayBuffer, WeightPublisher
-from async_rlhf.types import Received, TrajectoryError
+from async_rlhf.types import Group, Received, TrajectoryError
 from learners import advantages as adv_fns
 from learners.deepspeed_backend import DeepSpeedBackend
-from learners.losses import aggregate, check_finite, kl_penalty, policy_loss, value_loss
+from learners.losses import NonFiniteError, aggregate, check_finite, kl_penalty, policy_loss, value_loss
+
+log = logging.getLogger(__name__)
 
 _KEEP_CHECKPOINTS = 2
 _INT_KEYS = ("input_ids", "attention_mask", "positions", "versions", "groups")
@@ -64,7 +70,8 @@ class Batch:
 
     @classmethod
     def from_received(cls, items: Sequence[Received]) -> Batch:
-        trajs = [r.trajectory for r in items]
+        """The received groups' members as rows, group after group; `groups` = item index."""
+        trajs = [t for r in items for t in r.group.members]
         B = len(trajs)
         L = max(t.num_tokens for t in trajs)
         T = max(len(t.response_ids) for t in trajs)
@@ -73,12 +80,11 @@ class Batch:
             attention_mask=torch.zeros(B, L, dtype=torch.long),
             positions=torch.zeros(B, T, dtype=torch.long),
             versions=torch.tensor([t.policy_version for t in trajs], dtype=torch.long),
-            groups=torch.zeros(B, dtype=torch.long),
+            groups=torch.tensor([g for g, r in enumerate(items) for _ in r.group.members], dtype=torch.long),
             mask=torch.zeros(B, T),
             behavior_logp=torch.zeros(B, T),
             rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         )
-        group_index: dict[str, int] = {}
         for i, t in enumerate(trajs):
             P, R = len(t.prompt_ids), len(t.response_ids)  # P >= 1: checked by Learner._admit
             ids = np.concatenate([t.prompt_ids, t.response_ids]).astype(np.int64)
@@ -87,7 +93,6 @@ class Batch:
             out.positions[i] = (P - 1 + torch.arange(T)).clamp(max=L - 2)
             out.mask[i, :R] = 1.0
             out.behavior_logp[i, :R] = torch.from_numpy(t.behavior_logprobs.astype("float32"))
-            out.groups[i] = group_index.setdefault(t.group_id, len(group_index))
         return out
 
     def rows(self, index: torch.Tensor) -> Batch:
@@ -139,11 +144,15 @@ class Learner:
     """One data-parallel rank of the learner (see module docstring for the split).
 
     backend: this rank's DeepSpeedBackend (built with the generators' sampling temperature).
-    max_staleness: k; trajectories with version - policy_version > k are acked "dropped_stale".
+    max_staleness: k; groups with version - policy_version (their oldest member's) > k are acked
+    "dropped_stale". group_size: the generators' samples per prompt; cfg.batch_size must be a
+    multiple of it, and a group of another size is rejected (dead-lettered as "group_size").
     queue, replay, publisher: rank 0 only (None elsewhere); without a publisher no weights are
     gathered. ckpt_dir: where checkpoints go and where `resume()` looks. on_metrics: called with
     each step's metrics on rank 0. Every rank calls step()/train(), resume(), save_checkpoint()
-    and publish_weights() together (they are collective).
+    and publish_weights() together (they are collective). `counters` (count_* in the metrics):
+    samples and tokens count samples; groups, dropped_stale, rejected_<reason>, lost_to_reclaim
+    and trained_first_use count groups (stream entries).
     """
 
     def __init__(
@@ -152,6 +161,7 @@ class Learner:
         backend: DeepSpeedBackend,
         *,
         max_staleness: int,
+        group_size: int,
         queue: ExperienceQueue | None = None,
         replay: ReplayBuffer | None = None,
         publisher: WeightPublisher | None = None,
@@ -162,11 +172,15 @@ class Learner:
         self.rank, self.world = backend.rank, backend.world_size
         if self.rank == 0 and (queue is None or replay is None):
             raise ValueError("rank 0 consumes the stream: give it the queue and the replay buffer")
-        self.max_staleness = max_staleness
+        if group_size <= 0 or cfg.batch_size % group_size:
+            raise ValueError(f"learner.batch_size ({cfg.batch_size}) must be a multiple of the group "
+                             f"size ({group_size}): a batch holds whole groups")
+        self.max_staleness, self.group_size = max_staleness, group_size
         self.queue, self.replay, self.publisher = queue, replay, publisher
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir else None
         self.on_metrics = on_metrics
         self.version = 0
+        self._saved_version = -1  # the version of the newest checkpoint written or loaded
         self.counters: collections.Counter[str] = collections.Counter()
         flag = torch.tensor([int(publisher is not None)], device=backend.device)
         dist.broadcast(flag, 0)  # every rank joins the ZeRO-3 gather iff rank 0 publishes
@@ -187,9 +201,8 @@ class Learner:
         target = self.cfg.steps if steps is None else self.version + steps
         while self.version < target:
             history.append(self.step())
-        every = self.cfg.checkpoint_every
-        if self.ckpt_dir and history and not (every and self.version % every == 0):
-            self.save_checkpoint()  # the end of the run (step() already saved on the period)
+        if self.ckpt_dir and history:
+            self.save_checkpoint()  # the end of the run (a no-op if step() just saved it)
         return history
 
     def step(self) -> dict:
@@ -208,10 +221,10 @@ class Learner:
         group_sizes = torch.bincount(batch.groups.cpu())
         self.version += 1
         tokens = int(batch.mask.sum())
-        self.counters.update(samples=len(staleness), tokens=tokens, steps=1)
+        self.counters.update(samples=len(staleness), groups=len(group_sizes), tokens=tokens, steps=1)
         if self.rank == 0:
             self.queue.ack(first_use, reason="trained")
-            self.counters["trained_first_use"] += len(first_use)
+            self.counters["trained_first_use"] += len(first_use)  # groups
 
         self.publish_weights(timing)
         every = self.cfg.checkpoint_every
@@ -224,15 +237,18 @@ class Learner:
             "version": self.version,
             **stats,
             "samples": len(staleness),
+            "samples_fresh": len(first_use) * self.group_size,  # first use; the rest re-used
             "tokens": tokens,
             "reward_mean": float(batch.rewards.mean()),
             "groups": len(group_sizes),
+            "group_size_min": int(group_sizes.min()),
             "groups_singleton": int((group_sizes == 1).sum()),  # zero advantage under grpo/rloo
             "staleness_max": max(staleness),
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_hist": dict(sorted(collections.Counter(staleness).items())),
             "reward_by_version": _reward_by_version(batch),
-            "trained_by_generator": dict(collections.Counter(r.trajectory.generator_id for r in items)),
+            "trained_by_generator": dict(collections.Counter(t.generator_id for r in items
+                                                             for t in r.group.members)),
             **{f"time_{k}": v for k, v in timing.items()},
             **{f"count_{k}": v for k, v in self.counters.items()},
         }
@@ -254,8 +270,10 @@ class Learner:
 
     # -- rank 0: the stream ----------------------------------------------------------------
     def _collect(self) -> tuple[list[Received], list[str]]:
-        """Exactly batch_size usable items (and the entry ids trained for the first time)."""
-        need = self.cfg.batch_size
+        """Whole usable groups holding exactly batch_size samples (and the entry ids trained for
+        the first time). Every group has group_size members (_admit rejects the others), so
+        this is batch_size / group_size stream entries."""
+        need = self.cfg.batch_size // self.group_size
         items: list[Received] = []
         first_use: list[str] = []
         last_progress = time.monotonic()
@@ -268,7 +286,7 @@ class Learner:
                 self.counters[reason] += 1
             firsts = set(draw.first_use)
             for r in draw.items:
-                if self.version - r.trajectory.policy_version > self.max_staleness:
+                if self.version - r.group.policy_version > self.max_staleness:
                     if r.entry_id in firsts:  # the replay should not hand these out; drop anyway
                         self._drop(r.entry_id, "dropped_stale")
                     continue
@@ -279,7 +297,7 @@ class Learner:
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > self.cfg.wait_s:
                 raise TimeoutError(
-                    f"no usable trajectories for {self.cfg.wait_s:.0f} s at version {self.version} "
+                    f"no usable groups for {self.cfg.wait_s:.0f} s at version {self.version} "
                     f"({len(items)}/{need} collected): are the generators running and admitted? "
                     "(raise learner.wait_s for slow generation)"
                 )
@@ -301,16 +319,17 @@ class Learner:
         return items, first_use
 
     def _admit(self, received: Sequence[Received]) -> list[Received]:
-        """Keep what is valid and fresh enough: ack the stale with a counted reason, and move
-        what this learner cannot train on to the dead-letter stream, bytes and reason kept."""
+        """Keep the groups that are valid and fresh enough: ack the stale with a counted reason,
+        and move those this learner cannot train on to the dead-letter stream, bytes and reason
+        kept. Whole groups either way (counters count groups)."""
         keep, rejected = [], []
         for r in received:
             try:
-                self._check(r.trajectory)
+                self._check(r.group)
             except TrajectoryError as e:
                 rejected.append((r, e))
                 continue
-            if self.version - r.trajectory.policy_version > self.max_staleness:
+            if self.version - r.group.policy_version > self.max_staleness:
                 self._drop(r.entry_id, "dropped_stale")
                 continue
             keep.append(r)
@@ -319,18 +338,24 @@ class Learner:
             self.counters.update(f"rejected_{e.reason}" for _, e in rejected)
         return keep
 
-    def _check(self, t) -> None:
-        t.validate()
-        if t.policy_version > self.version:
-            raise TrajectoryError("future_version", f"policy_version {t.policy_version} is ahead of the "
-                                  f"learner's {self.version}: made after the checkpoint this run resumed "
-                                  "from, or another run's data on this stream")
-        if len(t.prompt_ids) == 0:
-            raise TrajectoryError("empty_prompt", "the learner needs at least one prompt token")
-        top = int(max(t.prompt_ids.max(), t.response_ids.max()))
-        if top >= self._vocab or min(t.prompt_ids.min(), t.response_ids.min()) < 0:
-            raise TrajectoryError("token_id", f"token id {top} outside the model's vocabulary "
-                                  f"[0, {self._vocab}): generator and learner use different models")
+    def _check(self, group: Group) -> None:
+        """Raise TrajectoryError if this learner cannot train on the group (any member)."""
+        group.validate()
+        if group.size != self.group_size:
+            raise TrajectoryError("group_size", f"group {group.group_id!r} has {group.size} samples, the "
+                                  f"learner expects {self.group_size} (generator.group_size): a producer "
+                                  "that splits groups, or one run with another group_size")
+        for t in group.members:
+            if t.policy_version > self.version:
+                raise TrajectoryError("future_version", f"policy_version {t.policy_version} is ahead of the "
+                                      f"learner's {self.version}: made after the checkpoint this run resumed "
+                                      "from, or another run's data on this stream")
+            if len(t.prompt_ids) == 0:
+                raise TrajectoryError("empty_prompt", "the learner needs at least one prompt token")
+            top = int(max(t.prompt_ids.max(), t.response_ids.max()))
+            if top >= self._vocab or min(t.prompt_ids.min(), t.response_ids.min()) < 0:
+                raise TrajectoryError("token_id", f"token id {top} outside the model's vocabulary "
+                                      f"[0, {self._vocab}): generator and learner use different models")
 
     def _drop(self, entry_id: str, reason: str) -> None:
         self.queue.ack([entry_id], reason=reason)
@@ -394,59 +419,102 @@ class Learner:
         return adv_fns.whiten(adv, local.mask, moments.cpu()), returns
 
     def _train_batch(self, batch: Batch, timing) -> dict:
+        """`minibatches` optimizer steps on this rank's rows. A step where any rank's loss is not
+        finite, or whose gradient norm is not, changes nothing and is counted (_count_skip)."""
         cfg, be = self.cfg, self.backend
         B = batch.input_ids.shape[0]
         rows = self._rank_rows(B).to(batch.mask.device)
         local = batch.rows(rows)
         rec = self._recompute(local, timing)
-        advantages, returns = self._advantages(batch, rows, local, rec)
-        check_finite(advantages=advantages)
+        advantages, returns = self._advantages(batch, rows, local, rec)  # policy_loss checks them
 
         per_mb = B // cfg.minibatches
         n_local = per_mb // self.world
         sums = collections.Counter()
-        grad_norms = []
+        grad_norms, skipped = [], 0
         bw_max = torch.zeros(1, device=be.device)
         for m in range(cfg.minibatches):
             mb_rows = slice(m * per_mb, (m + 1) * per_mb)
             counts = dict(num_tokens=float(batch.mask[mb_rows].sum()), num_seqs=float(per_mb))
             local_m = local.rows(torch.arange(m * n_local, (m + 1) * n_local))
+            why_skip = ""  # set on every rank once any rank's loss in this optimizer step is not finite
             for s, mb in self._micro_batches(local_m):
                 idx = slice(m * n_local + s, m * n_local + s + mb.input_ids.shape[0])
                 t = time.perf_counter()
-                logp, entropy = be.logprobs(mb.input_ids, mb.attention_mask, mb.positions,
-                                            with_entropy=True, entropy_grad=cfg.entropy_coef > 0)
-                prox = logp.detach() if self.prox_from_forward else rec["prox_logp"][idx]
-                pg, st = policy_loss(
-                    logp, prox, mb.behavior_logp, advantages[idx], mb.mask,
-                    clip_eps=cfg.clip_eps, correction=cfg.correction, is_cap=cfg.is_cap,
-                    level=cfg.correction_level, ratio_to=cfg.ratio_to, agg=cfg.loss_agg, **counts,
-                )
-                ent = aggregate(entropy, mb.mask, cfg.loss_agg, **counts)
-                loss = pg - cfg.entropy_coef * ent
-                if "ref_logp" in rec:
-                    kl = aggregate(kl_penalty(logp, rec["ref_logp"][idx], cfg.kl_estimator), mb.mask,
-                                   cfg.loss_agg, **counts)
-                    if cfg.kl_mode == "loss":
-                        loss = loss + cfg.kl_coef * kl
-                    sums["kl"] += kl.item()
+                loss, parts, st, why = self._micro_loss(mb, rec, idx, advantages[idx], counts)
                 timing["forward"] += time.perf_counter() - t
+                why_skip = self._any_rank(why_skip or why)
                 t = time.perf_counter()
-                be.backward(loss)
+                # a step to skip still runs backward on every rank (gradient reduction is
+                # collective), of NaN: its gradient norm is NaN and the backend drops the update
+                be.backward(loss * math.nan if why_skip else loss)
                 timing["backward"] += time.perf_counter() - t
                 t = time.perf_counter()
                 norm = be.step()
                 timing["step"] += time.perf_counter() - t
-                if norm is not None:
+                if norm is not None and math.isfinite(norm):
                     grad_norms.append(norm)
+                elif norm is not None:
+                    skipped += 1
+                    self._count_skip(batch, m, why_skip or f"gradient norm {norm}")
                 if be.critic is not None:
                     self._critic_micro_step(mb, rec["old_values"][idx], returns[idx], counts, sums, timing)
                 ntok = float(mb.mask.sum())
-                sums.update(loss=loss.item(), loss_policy=pg.item(), entropy=ent.item(), tokens=ntok)
+                sums.update(parts, tokens=ntok)
                 for k in ("clip_frac", "ratio_mean", "bw_mean", "bw_capped_frac"):
                     sums[k] += st[k] * ntok
                 bw_max = torch.maximum(bw_max, torch.tensor([st["bw_max"]], device=be.device))
-        return self._reduce_stats(sums, bw_max, grad_norms)
+        return {**self._reduce_stats(sums, bw_max, grad_norms), "skipped_nonfinite": skipped}
+
+    def _micro_loss(self, mb: Batch, rec: dict, idx: slice, advantages: torch.Tensor,
+                    counts: dict) -> tuple[torch.Tensor, dict, dict, str]:
+        """Forward and loss of one micro-batch: (this rank's share of the loss, its parts and the
+        policy stats as floats, why the loss is not finite or ""). A NaN/inf input on a real token
+        (NonFiniteError) gives a NaN loss that still reaches every parameter, and NaN stats."""
+        cfg, be = self.cfg, self.backend
+        logp, entropy = be.logprobs(mb.input_ids, mb.attention_mask, mb.positions,
+                                    with_entropy=True, entropy_grad=cfg.entropy_coef > 0)
+        prox = logp.detach() if self.prox_from_forward else rec["prox_logp"][idx]
+        why = ""
+        try:
+            pg, st = policy_loss(
+                logp, prox, mb.behavior_logp, advantages, mb.mask,
+                clip_eps=cfg.clip_eps, correction=cfg.correction, is_cap=cfg.is_cap,
+                level=cfg.correction_level, ratio_to=cfg.ratio_to, agg=cfg.loss_agg, **counts,
+            )
+        except NonFiniteError as e:
+            pg, why = logp.sum() * math.nan, str(e)
+            st = dict.fromkeys(("clip_frac", "ratio_mean", "bw_mean", "bw_max", "bw_capped_frac"), math.nan)
+        ent = aggregate(entropy, mb.mask, cfg.loss_agg, **counts)
+        loss = pg - cfg.entropy_coef * ent
+        parts = {"loss_policy": pg.item(), "entropy": ent.item()}
+        if "ref_logp" in rec:
+            kl = aggregate(kl_penalty(logp, rec["ref_logp"][idx], cfg.kl_estimator), mb.mask,
+                           cfg.loss_agg, **counts)
+            if cfg.kl_mode == "loss":
+                loss = loss + cfg.kl_coef * kl
+            parts["kl"] = kl.item()
+        parts["loss"] = loss.item()
+        return loss, parts, st, why or ("" if math.isfinite(parts["loss"]) else f"loss {parts['loss']}")
+
+    def _any_rank(self, why: str) -> str:
+        """`why`, or a stand-in when only another rank has a reason: every rank learns whether
+        any rank must skip (collective: all ranks call it once per micro-batch)."""
+        if self.world == 1:
+            return why
+        flag = torch.tensor([float(bool(why))], device=self.backend.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return why or ("a non-finite loss on another rank" if flag.item() else "")
+
+    def _count_skip(self, batch: Batch, m: int, why: str) -> None:
+        """Count and log an optimizer step that changed no weight. The batch is still acked as
+        trained and the version still advances in step(), publishing the unchanged weights:
+        generators and the staleness gate keep seeing one version per batch consumed, and
+        retrying a batch whose numbers blew up would most likely blow up again."""
+        self.counters["skipped_nonfinite"] += 1
+        log.warning("rank %d: optimizer step %d/%d of learner version %d skipped, nothing changed: %s "
+                    "(batch from policy versions %s)", self.rank, m + 1, self.cfg.minibatches,
+                    self.version, why, sorted(set(batch.versions.tolist())))
 
     def _critic_micro_step(self, mb: Batch, old_values, returns, counts, sums, timing) -> None:
         be = self.backend
@@ -484,9 +552,15 @@ class Learner:
 
     # -- checkpoint ------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
-        """DeepSpeed checkpoint + version + counters (collective)."""
-        state = {"policy_version": self.version, "counters": dict(self.counters)}
+        """DeepSpeed checkpoint + version + counters + the generators' prompt positions
+        (collective); nothing to do if this version is saved already."""
+        if self._saved_version == self.version:
+            return
+        positions = self.queue.prompt_positions() if self.queue is not None else {}
+        state = {"policy_version": self.version, "counters": dict(self.counters),
+                 "prompt_positions": positions}
         self.backend.save_checkpoint(self.ckpt_dir, tag=f"v{self.version}", client_state=state)
+        self._saved_version = self.version
         dist.barrier()
         if self.rank == 0:  # keep the newest few: DeepSpeed never deletes a tag
             for root in (self.ckpt_dir, self.ckpt_dir / "critic"):
@@ -499,6 +573,8 @@ class Learner:
         state = self.backend.load_checkpoint(self.ckpt_dir) if self.ckpt_dir else None
         if state is None:
             return False
-        self.version = int(state["policy_version"])
+        self.version = self._saved_version = int(state["policy_version"])
         self.counters = collections.Counter(state["counters"])
+        if self.queue is not None:  # the stream's own positions win where it has them
+            self.queue.restore_prompt_positions(state.get("prompt_positions", {}))
         return True

@@ -1,7 +1,7 @@
 """Learner inputs made in-process, without a download, for learner tests and bench-learner.
 
-`build_llama` builds a random-init model of a preset shape; `random_trajectories` makes scored
-trajectories in groups. `PreloadedQueue` and `OnceReplay` feed them to the learner from memory
+`build_llama` builds a random-init model of a preset shape; `random_groups` makes groups of
+scored trajectories. `PreloadedQueue` and `OnceReplay` feed them to the learner from memory
 for bench-learner, which measures learner compute alone; tests use the real Redis stream and
 replay buffer instead.
 """
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from async_rlhf.protocols import QueueStats, ReplayDraw
-from async_rlhf.types import Received, Trajectory, TrajectoryError
+from async_rlhf.types import Group, Received, Trajectory, TrajectoryError
 
 # model shapes for the presets (the "small" one is ~30M parameters with a 8192 vocabulary)
 PRESETS = {
@@ -36,7 +36,7 @@ def build_llama(preset: str = "tiny", seed: int = 0):
     return LlamaForCausalLM(config).float()
 
 
-def random_trajectories(
+def random_groups(
     n: int,
     *,
     vocab: int,
@@ -45,11 +45,11 @@ def random_trajectories(
     group_size: int = 4,
     version: int = 0,
     seed: int = 0,
-) -> list[Trajectory]:
-    """n trajectories in groups of group_size, reward = fraction of even response tokens."""
+) -> list[Group]:
+    """n groups of group_size random trajectories, reward = fraction of even response tokens."""
     rng = np.random.default_rng(seed)
     out = []
-    for i in range(n):
+    for i in range(n * group_size):
         resp = rng.integers(3, vocab, response_len).astype(np.int32)
         out.append(Trajectory(
             prompt_ids=rng.integers(3, vocab, prompt_len).astype(np.int32),
@@ -62,22 +62,22 @@ def random_trajectories(
             group_id=f"s{seed}-g{i // group_size}",
             finished=True,
         ))
-    return out
+    return [Group(tuple(out[g:g + group_size])) for g in range(0, len(out), group_size)]
 
 
 class PreloadedQueue:
-    """ExperienceQueue over pre-generated trajectories in memory, for bench-learner only: a
+    """ExperienceQueue over pre-generated groups in memory, for bench-learner only: a
     benchmark of learner compute, not a test (tests use the real Redis stream). The learner is
     its one consumer, so every entry it gets stays its own (renew keeps all); acks just count."""
 
     def __init__(self) -> None:
         self._entries: collections.deque[Received] = collections.deque()
         self._next = 0
-        self.acked: collections.Counter[str] = collections.Counter()  # reason -> count
+        self.acked: collections.Counter[str] = collections.Counter()  # reason -> groups
 
-    def put(self, trajectories: Sequence[Trajectory], timeout_s: float | None = None) -> None:
-        for t in trajectories:
-            self._entries.append(Received(f"{self._next}-0", t))
+    def put(self, groups: Sequence[Group], timeout_s: float | None = None) -> None:
+        for g in groups:
+            self._entries.append(Received(f"{self._next}-0", g))
             self._next += 1
 
     def get(self, count: int, block_ms: int = 1000) -> list[Received]:
@@ -100,8 +100,8 @@ class PreloadedQueue:
 
 
 class OnceReplay:
-    """ReplayBuffer for bench-learner only: each item handed out once, in arrival order, with no
-    staleness logic (the bench stamps every trajectory with the version that trains it; tests
+    """ReplayBuffer for bench-learner only: each group handed out once, in arrival order, with no
+    staleness logic (the bench stamps every group with the version that trains it; tests
     use buffer.replay.StalenessReplay)."""
 
     def __init__(self) -> None:

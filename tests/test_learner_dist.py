@@ -7,6 +7,7 @@ the real RedisExperienceQueue and StalenessReplay.
 """
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -100,7 +101,7 @@ def test_checkpoint_kill_resume_keeps_version_and_counters(tiny_model_dir, redis
     assert saved["version"] == 3
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("v*")) == ["v2", "v3"]
     # step 4 acked its batch before the kill: its update is lost, its experience consumed
-    assert stream.stats().counters == {"produced": 32, "trained": 32}
+    assert stream.stats().counters == {"produced": 8, "trained": 8}  # groups of 4
     assert run_ranks({**spec, "mode": "resume"}, 1) == [0]  # same stream, fresh experience
     resumed = json.loads((tmp_path / "resume.json").read_text())
     assert resumed["resumed_version"] == 3
@@ -110,13 +111,23 @@ def test_checkpoint_kill_resume_keeps_version_and_counters(tiny_model_dir, redis
     assert resumed["counters"]["samples"] == saved["counters"]["samples"] + 8
     assert resumed["counters"]["steps"] == 4
     stats = stream.stats()
-    assert stats.counters == {"produced": 64, "trained": 40} and stats.backlog == 24
+    assert stats.counters == {"produced": 16, "trained": 10} and stats.backlog == 6
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_ranks_agree_to_skip_a_step_only_one_rank_found_non_finite(tiny_model_dir, redis_server, stream_name,
+                                                                   tmp_path, zero_stage):
+    spec = dict(mode="skip", model=tiny_model_dir, out=str(tmp_path), zero_stage=zero_stage,
+                redis_url=redis_server.url, stream=stream_name)
+    assert run_ranks(spec, 2) == [0, 0]  # neither rank left waiting in a collective
+    for rank in (0, 1):  # rank 1 holds the bad token; rank 0 skips because rank 1 does
+        report = json.loads((tmp_path / f"skip-{rank}.json").read_text())
+        assert report == {"skipped": 1, "count": 1, "unchanged": True, "next_skipped": 0,
+                          "next_finite": True, "next_moved": True}, rank
 
 
 # ---- worker ----------------------------------------------------------------------------------
 def _worker(spec: dict) -> None:
-    import dataclasses
-
     import redis
 
     from async_rlhf.config import LearnerConfig
@@ -124,7 +135,7 @@ def _worker(spec: dict) -> None:
     from buffer.replay import StalenessReplay
     from learners.deepspeed_backend import DeepSpeedBackend
     from learners.learner import Learner
-    from learners.memory import random_trajectories
+    from learners.memory import random_groups
 
     torch.set_num_threads(1)
     out = Path(spec["out"])
@@ -143,15 +154,14 @@ def _worker(spec: dict) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)  # after step 4, before its checkpoint
 
     start = 3 if mode == "resume" else 0
-    trajs = [dataclasses.replace(t, policy_version=start)
-             for t in random_trajectories(32, vocab=VOCAB, seed=7 + start)]
+    groups = [g.with_version(start) for g in random_groups(8, vocab=VOCAB, seed=7 + start)]
     queue = replay = None
     if rank0:  # the only consumer of the stream (see learners/learner.py)
         client = redis.Redis.from_url(spec["redis_url"], decode_responses=False)
         queue = RedisExperienceQueue(client, "learner-0", stream=spec["stream"])
-        queue.put(trajs)
+        queue.put(groups)
         replay = StalenessReplay(max_reuse=1, max_staleness=4)
-    learner = Learner(cfg, backend, max_staleness=4, queue=queue, replay=replay,
+    learner = Learner(cfg, backend, max_staleness=4, group_size=4, queue=queue, replay=replay,
                       publisher=Publisher() if rank0 else None, ckpt_dir=spec.get("ckpt"))
     if mode == "train":
         initial = backend.full_state_dict()
@@ -167,6 +177,8 @@ def _worker(spec: dict) -> None:
         (out / "crash.json").write_text(json.dumps({"version": learner.version,
                                                     "counters": dict(learner.counters)}))
         learner.train(steps=1)
+    elif mode == "skip":
+        _skip_then_train(learner, groups, out)
     else:
         assert learner.resume()
         report = {"resumed_version": learner.version, "resumed_counters": dict(learner.counters)}
@@ -176,6 +188,31 @@ def _worker(spec: dict) -> None:
         learner.train(steps=1)
         report.update(version=learner.version, counters=dict(learner.counters))
         (out / "resume.json").write_text(json.dumps(report))
+
+
+def _skip_then_train(learner, groups, out: Path) -> None:
+    """A batch with a -inf behaviour log-prob in rank 1's rows only (rows 4-7 of 8), straight to
+    the training step; then a normal step from the stream. Each rank reports what it saw."""
+    import collections
+
+    from async_rlhf.types import Received
+    from learners.learner import Batch
+
+    def weights():  # every rank holds full weights under ZeRO 0-2
+        return {k: v.clone() for k, v in learner.backend.engine.module.named_parameters()}
+
+    batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(groups[:2])])
+    batch.behavior_logp[5, 0] = -math.inf
+    before = weights()
+    stats = learner._train_batch(batch, collections.Counter())
+    unchanged = all(torch.equal(before[k], v) for k, v in weights().items())
+    metrics = learner.train(steps=1)[0]
+    after = weights()
+    report = {"skipped": stats["skipped_nonfinite"], "count": learner.counters["skipped_nonfinite"],
+              "unchanged": unchanged, "next_skipped": metrics["skipped_nonfinite"],
+              "next_finite": all(bool(torch.isfinite(w).all()) for w in after.values()),
+              "next_moved": any(not torch.equal(before[k], after[k]) for k in before)}
+    (out / f"skip-{learner.rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":

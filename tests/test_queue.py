@@ -15,26 +15,18 @@ import pytest
 import redis
 
 from async_rlhf.config import QueueConfig
-from async_rlhf.types import Trajectory
-from buffer.codec import encode
+from async_rlhf.types import TrajectoryError
+from buffer.codec import decode, encode
 from buffer.redis_server import EmbeddedRedis
 from buffer.redis_stream import FIELD, QueueFull, RedisExperienceQueue
-from helpers import reencoded
+from helpers import make_group, reencoded
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def traj(i: int, **changes) -> Trajectory:
-    fields = dict(
-        prompt_ids=np.arange(3, dtype=np.int32) + i,
-        response_ids=np.arange(5, dtype=np.int32) * i,
-        behavior_logprobs=-np.linspace(0.1, 2.0, 5, dtype=np.float32),
-        reward=float(i), reward_parts={"correct": float(i), "length": -0.5},
-        policy_version=i % 3, generator_id=f"gen-{i % 2}", group_id=f"group-{i // 4}",
-        finished=bool(i % 2), generated_at=1_796_000_000.5 + i, generation_s=0.25,
-    )
-    fields.update(changes)
-    return Trajectory(**fields)
+def ids_of(got) -> list[str]:
+    """The group ids of received entries, in order."""
+    return [r.group.group_id for r in got]
 
 
 def stream_ids(client, stream) -> list[str]:
@@ -51,19 +43,20 @@ def make_queue(redis_client, stream_name):
 
 def test_round_trip_every_field_and_counters(make_queue):
     queue = make_queue()
-    sent = [traj(i) for i in range(6)]
+    sent = [make_group(i, size=1 + i % 3) for i in range(6)]
     queue.put(sent)
     assert queue.stats().backlog == 6
     got = queue.get(10, block_ms=0)
     assert len(got) == 6
-    for original, received in zip(sent, got):
-        t = received.trajectory
-        for name in ("prompt_ids", "response_ids", "behavior_logprobs"):
-            assert np.array_equal(getattr(t, name), getattr(original, name))
-            assert getattr(t, name).dtype == getattr(original, name).dtype
-        for name in ("reward", "reward_parts", "policy_version", "generator_id", "group_id",
-                     "finished", "generated_at", "generation_s", "schema_version"):
-            assert getattr(t, name) == getattr(original, name), name
+    for group, received in zip(sent, got):
+        assert received.group.size == group.size
+        for original, t in zip(group.members, received.group.members):
+            for name in ("prompt_ids", "response_ids", "behavior_logprobs"):
+                assert np.array_equal(getattr(t, name), getattr(original, name))
+                assert getattr(t, name).dtype == getattr(original, name).dtype
+            for name in ("reward", "reward_parts", "policy_version", "generator_id", "group_id",
+                         "finished", "generated_at", "generation_s", "schema_version"):
+                assert getattr(t, name) == getattr(original, name), name
     stats = queue.stats()
     assert (stats.backlog, stats.pending) == (0, 6)
     queue.ack([r.entry_id for r in got[:4]], "trained")
@@ -71,6 +64,37 @@ def test_round_trip_every_field_and_counters(make_queue):
     stats = queue.stats()
     assert (stats.backlog, stats.pending, stats.dead_letters) == (0, 0, 0)
     assert stats.counters == {"produced": 6, "trained": 4, "dropped_stale": 2}
+
+
+def test_one_entry_per_group_whatever_the_chunk_and_fates_act_on_whole_groups(
+    redis_client, make_queue, stream_name
+):
+    """put chunks count entries, so a group is never split; counters count groups; a reject
+    sets the whole group aside, with all its members' bytes."""
+    queue = make_queue(put_chunk=3)
+    queue.put([make_group(i, size=4) for i in range(7)])
+    entries = redis_client.xrange(stream_name)
+    assert [decode(f[FIELD]).size for _, f in entries] == [4] * 7
+    got = queue.get(10, block_ms=0)
+    assert ids_of(got) == [f"group-{i}" for i in range(7)]
+    queue.reject([(got[2], TrajectoryError("token_id", "token id 300 outside [0, 256)"))])
+    queue.ack([r.entry_id for r in got if r is not got[2]])
+    [dead] = queue.dead_letters()
+    assert dead.reason == "token_id" and dead.original_id == got[2].entry_id
+    assert decode(dead.raw).size == 4 and decode(dead.raw).group_id == "group-2"
+    assert queue.stats().counters == {"produced": 7, "trained": 6, "dead_lettered": 1}
+
+
+def test_prompt_positions_go_in_with_the_groups_and_a_checkpoint_fills_only_gaps(make_queue):
+    gen0, gen1 = make_queue("gen-0", put_chunk=2), make_queue("gen-1")
+    assert gen0.prompt_positions() == {}
+    gen0.put([make_group(i) for i in range(5)], prompt_position=5)  # three chunks
+    gen1.put([], prompt_position=3)  # every group of the batch set aside: still taken
+    gen0.put([make_group(5)])  # no position given: the recorded one stays
+    assert gen0.prompt_positions() == {"gen-0": 5, "gen-1": 3}
+    gen0.restore_prompt_positions({"gen-0": 2, "gen-2": 7})  # from an older checkpoint
+    assert gen1.prompt_positions() == {"gen-0": 5, "gen-1": 3, "gen-2": 7}
+    assert gen0.stats().counters == {"produced": 6}
 
 
 def test_from_config_and_empty_get(redis_server, stream_name):
@@ -83,11 +107,11 @@ def test_from_config_and_empty_get(redis_server, stream_name):
 
 def test_get_blocks_until_an_entry_arrives(make_queue):
     queue, producer = make_queue(), make_queue("generator-0")
-    timer = threading.Timer(0.2, producer.put, args=([traj(1)],))
+    timer = threading.Timer(0.2, producer.put, args=([make_group(1)],))
     timer.start()
     got = queue.get(5, block_ms=20_000)
     timer.join()
-    assert [r.trajectory.reward for r in got] == [1.0]
+    assert ids_of(got) == ["group-1"]
 
 
 CHILD = """
@@ -107,7 +131,7 @@ sys.stdin.read()  # wait to be killed
 def test_sigkilled_consumer_entries_are_reclaimed_none_lost_none_twice(
     redis_server, redis_client, make_queue, stream_name
 ):
-    make_queue("generator-0").put([traj(i) for i in range(20)])
+    make_queue("generator-0").put([make_group(i) for i in range(20)])
     all_ids = stream_ids(redis_client, stream_name)
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(REPO), redis_server.url, stream_name],
@@ -133,7 +157,7 @@ def test_sigkilled_consumer_entries_are_reclaimed_none_lost_none_twice(
 
 
 def test_stalled_consumer_cannot_ack_what_was_reclaimed(make_queue):
-    make_queue("generator-0").put([traj(i) for i in range(4)])
+    make_queue("generator-0").put([make_group(i) for i in range(4)])
     slow = make_queue("slow", claim_idle_ms=1)
     fast = make_queue("fast", claim_idle_ms=1)
     mine = [r.entry_id for r in slow.get(4, block_ms=0)]
@@ -152,7 +176,7 @@ def test_stalled_consumer_cannot_ack_what_was_reclaimed(make_queue):
 def test_an_entry_never_acked_is_dead_lettered_after_max_deliveries(make_queue):
     """A poison entry (its consumers keep dying on it) stops going round: after max_deliveries
     deliveries the next reclaim moves it to the dead-letter stream with its bytes."""
-    poison, good = traj(1), traj(2)
+    poison, good = make_group(1), make_group(2)
     make_queue("generator-0").put([poison])
     consumers = [make_queue(f"learner-{i}", claim_idle_ms=1, max_deliveries=2) for i in range(3)]
     assert len(consumers[0].get(5, block_ms=0)) == 1  # delivery 1: learner-0 dies on it
@@ -161,7 +185,7 @@ def test_an_entry_never_acked_is_dead_lettered_after_max_deliveries(make_queue):
     make_queue("generator-0").put([good])
     time.sleep(0.05)
     got = consumers[2].get(5, block_ms=0)  # delivery 3 > 2: set aside; new entries flow
-    assert [r.trajectory.reward for r in got] == [good.reward]
+    assert ids_of(got) == [good.group_id]
     [dead] = consumers[2].dead_letters()
     assert dead.reason == "max_deliveries" and "delivered 3 times" in dead.detail
     assert dead.raw == encode(poison)
@@ -175,7 +199,7 @@ def test_own_idle_entries_do_not_count_as_deliveries(make_queue):
     """An entry a learner holds (in its replay) past claim_idle_ms is claimed back by its own
     get() again and again; none of that counts, so after a restart under the same name it is
     delivered once more, not taken for a poison entry."""
-    make_queue("generator-0").put([traj(1)])
+    make_queue("generator-0").put([make_group(1)])
     queue = make_queue("learner-0", claim_idle_ms=1, max_deliveries=2)
     [held] = queue.get(5, block_ms=0)
     for _ in range(4):
@@ -188,7 +212,7 @@ def test_own_idle_entries_do_not_count_as_deliveries(make_queue):
 
 
 def test_renew_keeps_entries_and_own_idle_entries_are_not_redelivered(make_queue):
-    make_queue("generator-0").put([traj(i) for i in range(3)])
+    make_queue("generator-0").put([make_group(i) for i in range(3)])
     queue = make_queue(claim_idle_ms=1)
     first = [r.entry_id for r in queue.get(2, block_ms=0)]
     time.sleep(0.05)
@@ -205,12 +229,12 @@ def test_renew_keeps_entries_and_own_idle_entries_are_not_redelivered(make_queue
 def test_backpressure_blocks_then_resumes(make_queue):
     producer = make_queue("generator-0", max_backlog=4)
     consumer = make_queue()
-    producer.put([traj(i) for i in range(4)])
+    producer.put([make_group(i) for i in range(4)])
     started, done = threading.Event(), threading.Event()
 
     def produce():
         started.set()
-        producer.put([traj(9)])
+        producer.put([make_group(9)])
         done.set()
 
     thread = threading.Thread(target=produce, daemon=True)
@@ -226,9 +250,9 @@ def test_backpressure_blocks_then_resumes(make_queue):
 
 def test_backpressure_timeout_names_bound_and_fix(make_queue):
     producer = make_queue("generator-0", max_backlog=2)
-    producer.put([traj(0), traj(1)])
+    producer.put([make_group(0), make_group(1)])
     with pytest.raises(QueueFull, match=r"max_backlog=2.*learner"):
-        producer.put([traj(2)], timeout_s=0.2)
+        producer.put([make_group(2)], timeout_s=0.2)
     assert producer.stats().counters["produced"] == 2  # nothing appended, nothing trimmed
 
 
@@ -238,24 +262,24 @@ def test_malformed_entries_are_dead_lettered_while_good_ones_flow(
 ):
     bad = {
         "garbage": b"\xc1\x00not msgpack",
-        "schema": reencoded(traj(0), schema_version=99),
-        "non_finite_reward": encode(traj(0, reward=math.nan)),
+        "schema": reencoded(make_group(0), schema_version=99),
+        "non_finite_reward": encode(make_group(0, reward=math.nan)),
         "non_finite_logprob": encode(
-            traj(0, behavior_logprobs=np.array([-1, math.nan, -1, -1, -1], np.float32))
+            make_group(0, behavior_logprobs=np.array([-1, math.nan, -1, -1], np.float32))
         ),
-        "length_mismatch": encode(traj(0, behavior_logprobs=np.array([-1.0], np.float32))),
-        "missing_field": reencoded(traj(0), reward=None),
+        "length_mismatch": encode(make_group(0, behavior_logprobs=np.array([-1.0], np.float32))),
+        "missing_field": reencoded(make_group(0), member=1, reward=None),
     }
     producer = make_queue("generator-0")
     for i, payload in enumerate(bad.values()):
-        producer.put([traj(10 + i)])
+        producer.put([make_group(10 + i)])
         redis_client.xadd(stream_name, {FIELD: payload})  # a buggy producer, bypassing encode
     redis_client.xadd(stream_name, {b"other": b"x"})  # no payload field at all
     consumer = make_queue()
     got = []
     while batch := consumer.get(count, block_ms=0):
         got += batch
-    assert sorted(r.trajectory.reward for r in got) == [10.0 + i for i in range(6)]
+    assert sorted(ids_of(got)) == sorted(f"group-{10 + i}" for i in range(6))
     stats = consumer.stats()
     assert (stats.backlog, stats.pending, stats.dead_letters) == (0, 6, 7)
     assert stats.counters["dead_lettered"] == 7
@@ -280,7 +304,7 @@ def test_durable_redis_sigkilled_and_restarted_keeps_stream_and_pending(tmp_path
     try:
         client = redis.Redis.from_url(server.url)
         queue = RedisExperienceQueue(client, "learner-0", stream="durable")
-        queue.put([traj(i) for i in range(10)])
+        queue.put([make_group(i) for i in range(10)])
         got = queue.get(4, block_ms=0)
         queue.ack([got[0].entry_id])
         pending = sorted(r.entry_id for r in got[1:])
@@ -305,7 +329,7 @@ def test_durable_redis_sigkilled_and_restarted_keeps_stream_and_pending(tmp_path
 
 
 def test_renew_resets_idle_time_so_nobody_reclaims(redis_client, make_queue, stream_name):
-    make_queue("generator-0").put([traj(0)])
+    make_queue("generator-0").put([make_group(0)])
     queue = make_queue()
     (entry,) = queue.get(1, block_ms=0)
 
@@ -323,10 +347,10 @@ def test_renew_resets_idle_time_so_nobody_reclaims(redis_client, make_queue, str
 def test_resp2_and_resp3_clients(redis_server, stream_name, protocol):
     client = redis.Redis.from_url(redis_server.url, protocol=protocol)
     queue = RedisExperienceQueue(client, "learner-0", stream=stream_name)
-    queue.put([traj(1), traj(2)])
+    queue.put([make_group(1), make_group(2)])
     client.xadd(stream_name, {FIELD: b"junk"})
     got = queue.get(10, block_ms=1000)
-    assert [r.trajectory.reward for r in got] == [1.0, 2.0]
+    assert ids_of(got) == ["group-1", "group-2"]
     queue.ack([r.entry_id for r in got])
     stats = queue.stats()
     assert (stats.backlog, stats.pending, stats.dead_letters) == (0, 0, 1)

@@ -1,19 +1,18 @@
 """StalenessReplay: reuse limit, staleness eviction, draw order, and what the learner must ack."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from async_rlhf.types import Received, Trajectory
+from async_rlhf.types import Group, Received
 from buffer.replay import StalenessReplay
+from helpers import make_group
 
 
 def item(entry_id: str, policy_version: int) -> Received:
-    traj = Trajectory(
-        prompt_ids=np.array([1], np.int32), response_ids=np.array([2], np.int32),
-        behavior_logprobs=np.array([-0.1], np.float32), reward=0.0, reward_parts={},
-        policy_version=policy_version, generator_id="g", group_id="p", finished=True,
-    )
-    return Received(entry_id, traj)
+    """A group of 2 generated with `policy_version`, as entry `entry_id`."""
+    return Received(entry_id, make_group(size=2, policy_version=policy_version))
 
 
 def ids(items) -> list[str]:
@@ -59,14 +58,38 @@ def test_stale_after_use_is_evicted_silently():
     assert buf.evicted["stale_after_use"] == 1 and len(buf) == 0
 
 
-def test_least_used_then_freshest_then_first_come():
+def test_least_used_then_oldest_then_first_come():
     buf = StalenessReplay(max_reuse=4, max_staleness=10)
-    buf.add([item("v1-first", 1), item("v1-second", 1), item("v2", 2)])
-    assert ids(buf.draw(1, version=2).items) == ["v2"]
-    assert ids(buf.draw(2, version=3).items) == ["v1-first", "v1-second"]  # unused before used
+    buf.add([item("v2", 2), item("v1-first", 1), item("v1-second", 1)])
+    assert ids(buf.draw(1, version=2).items) == ["v1-first"]
+    assert ids(buf.draw(2, version=3).items) == ["v1-second", "v2"]  # unused before used
     buf.add([item("v0", 0)])
-    assert ids(buf.draw(1, version=4).items) == ["v0"]  # unused, even though older
-    assert ids(buf.draw(3, version=5).items) == ["v2", "v1-first", "v1-second"]
+    assert ids(buf.draw(1, version=4).items) == ["v0"]  # unused first
+    assert ids(buf.draw(3, version=5).items) == ["v0", "v1-first", "v1-second"]  # all used once
+
+
+def test_an_older_group_is_served_before_a_newer_one():
+    """Oldest first, as the staleness gate assumes: a newer group arriving first does not push
+    an older one back until it goes stale and is dropped untrained."""
+    buf = StalenessReplay(max_reuse=1, max_staleness=1)
+    buf.add([item("new", 1), item("old", 0)])
+    first = buf.draw(1, version=1)
+    assert ids(first.items) == ["old"] and first.first_use == ["old"]
+    second = buf.draw(1, version=2)  # "old" would be stale now; it was trained in time
+    assert ids(second.items) == ["new"] and second.dropped == []
+    assert buf.evicted["dropped_stale"] == 0
+
+
+def test_a_group_is_as_old_as_its_oldest_member():
+    """Staleness and order act on whole groups, by the oldest member's version."""
+    mixed = make_group(size=2, policy_version=3)
+    mixed = Group((mixed.members[0], dataclasses.replace(mixed.members[1], policy_version=1)))
+    buf = StalenessReplay(max_reuse=1, max_staleness=1)
+    buf.add([item("v2", 2), Received("mixed", mixed)])
+    assert ids(buf.draw(1, version=2).items) == ["mixed"]  # version 1: older than "v2"
+    buf.add([Received("mixed-again", mixed)])
+    draw = buf.draw(5, version=3)  # staleness 3 - 1 = 2 > 1: the whole group goes
+    assert draw.dropped == [("mixed-again", "dropped_stale")] and ids(draw.items) == ["v2"]
 
 
 def test_duplicate_ids_are_ignored():
