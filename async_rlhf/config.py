@@ -196,10 +196,12 @@ class LearnerConfig(_Section):
     critic_init: str = ""  # reward-model directory to start the critic from; "": the policy's
     flash_attention: bool = True  # flash-attention 2 on GPU when installed; CPU always uses sdpa
     wait_s: float = 60.0  # a step fails if the stream delivers nothing usable for this long
+    max_restarts: int = 3  # a dead learner rank restarts (all ranks, from the newest checkpoint)
 
     def _validate(self) -> None:
         self._positive("steps", "batch_size", "micro_batch", "ranks", "threads", "lr", "clip_eps", "is_cap")
         self._positive("max_reuse", "minibatches", "critic_lr", "wait_s")
+        _check(self.max_restarts >= 0, "learner.max_restarts", self.max_restarts, ">= 0")
         per_step = self.micro_batch * self.ranks * self.minibatches
         _check(
             self.batch_size % per_step == 0,

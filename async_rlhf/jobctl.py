@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 
@@ -28,15 +29,14 @@ def status(job: str) -> dict[str, Any]:
     import ray
 
     from async_rlhf.config import load_config, redact_url
-    from async_rlhf.launcher import accounting
     from buffer.redis_stream import RedisExperienceQueue
 
     info, coordinator = _coordinator(job)
     snap = ray.get(coordinator.get_snapshot.remote())
     cfg = load_config(f"{info['out']}/config.yaml")
-    queue = accounting(RedisExperienceQueue.from_config(cfg.queue, info["redis_url"], consumer="status"))
+    queue = RedisExperienceQueue.from_config(cfg.queue, info["redis_url"], consumer="status").accounting()
     return {"job": job, "learner": snap.get("learner", {}), "generators": snap.get("generators", []),
-            "generator_restarts": snap.get("generator_restarts", 0),
+            "generator_restarts": snap.get("generator_restarts", 0), "requests": snap["requests"],
             "gate": snap["gate"], "queue": {"redis_url": redact_url(info["redis_url"]), "stream": cfg.queue.stream,
                                             **queue}}
 
@@ -44,12 +44,14 @@ def status(job: str) -> dict[str, Any]:
 def _print_status(s: dict[str, Any]) -> None:
     learner = s["learner"]
     print(f"job {s['job']}: learner step {learner.get('step', '?')} "
-          f"policy_version {learner.get('policy_version', '?')}  generator restarts "
-          f"{s['generator_restarts']}")
+          f"policy_version {learner.get('policy_version', '?')}  restarts: learner "
+          f"{learner.get('restarts', 0)}, generators {s['generator_restarts']}")
     for g in s["generators"]:
         print(f"  {g['generator_id']:>8}  node {g['node']}  pid {g['pid']}  "
               f"policy_version {g['policy_version']}  produced {g['produced']}"
               f"{'  ERROR' if g.get('error') else ''}")
+    for i, state in s.get("requests", {}).items():
+        print(f"  generator request {i}: {state}")
     q = s["queue"]
     print(f"queue {q['redis_url']} stream {q['stream']}: backlog+pending "
           f"{q['left_in_queue']}, produced {q['produced']}, trained {q['trained']}, "
@@ -70,6 +72,8 @@ def add_generators_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--count", type=int, default=1)
     parser.add_argument("--resources", type=json.loads, default=None,
                         help='Ray resources for placement, e.g. \'{"node_b": 1}\'')
+    parser.add_argument("--wait-s", type=float, default=10.0,
+                        help="how long to wait for the requests to be placed before reporting")
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -97,6 +101,16 @@ def run_generators(args: argparse.Namespace) -> int:
         print(f"--count must be > 0, got {args.count}", file=sys.stderr)
         return 2
     _, coordinator = _coordinator(args.job)
-    ray.get(coordinator.request_generators.remote(args.count, args.resources))
-    print(f"job {args.job}: {args.count} generator(s) requested; they join the next membership epoch")
-    return 0
+    ids = ray.get(coordinator.request_generators.remote(args.count, args.resources))
+    print(f"job {args.job}: {args.count} generator(s) requested; they join the next membership "
+          "epoch once their engine is up")
+    deadline = time.monotonic() + args.wait_s  # the launcher places requests within a second
+    while True:
+        states = ray.get(coordinator.placement.remote(ids))
+        settled = all(s.startswith(("ready", "refused", "failed")) for s in states.values())
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for i, state in states.items():
+        print(f"  request {i}: {state}")
+    return 1 if any(s.startswith(("refused", "failed")) for s in states.values()) else 0

@@ -27,7 +27,7 @@ import yaml
 
 from async_rlhf.cli import add_config_arguments, config_from_args
 from async_rlhf.config import Config, redact_url
-from buffer.redis_stream import RedisExperienceQueue
+from buffer.redis_stream import RedisExperienceQueue, not_trained
 
 log = logging.getLogger("async_rlhf")
 
@@ -63,7 +63,10 @@ class Job:
         self.starting: dict[str, tuple[Any, Any]] = {}  # generator id -> (handle, ready ref)
         self.placement: dict[str, dict[str, float]] = {}  # generator id -> Ray resources asked
         self.restarts = 0  # generators replaced so far (generator.max_restarts at most)
+        self.learner_restarts = 0  # learner.max_restarts at most
+        self.learner_pid = 0
         self.due_restarts: list[tuple[float, str]] = []  # (monotonic time, generator id)
+        self.requested: dict[str, tuple[int, dict, float]] = {}  # gid -> (request, need, since)
         self.sync_failures = 0
         self.last_metrics: dict[str, Any] = {}
         self.error = ""
@@ -130,7 +133,7 @@ class Job:
                 "earlier run: pass --resume to continue it, or set queue.stream=<new name> "
                 "(or use a fresh --out with the embedded Redis)")
         self.carried = (stats.backlog + stats.pending) * self.cfg.generator.group_size
-        self.forgotten = _not_trained(stats.counters)
+        self.forgotten = not_trained(stats.counters)
 
     def _start_ray(self) -> None:
         import ray
@@ -165,24 +168,57 @@ class Job:
             self.cluster.stop()
 
     def _start_actors(self) -> None:
-        from async_rlhf.roles import Coordinator, LearnerWorker
+        from async_rlhf.roles import Coordinator
+
+        cfg = self.cfg
+        self.start_version = self._start_learners(self.resume)
+        self.coordinator = self.ray.remote(Coordinator).options(name="coordinator").remote(
+            cfg.max_staleness, cfg.learner.batch_size, self.start_version, self.carried)
+        for _ in range(cfg.generator.count):
+            self._add_generator({})
+
+    def _start_learners(self, resume: bool) -> int:
+        """Start the learner ranks (from the newest checkpoint when `resume`); their version."""
         from async_rlhf.procs import free_port
+        from async_rlhf.roles import LearnerWorker
 
         ray, cfg = self.ray, self.cfg
         # max_concurrency 2: open_epoch runs while a step waits for the samples it will bring
         worker = ray.remote(LearnerWorker).options(num_cpus=cfg.learner.threads, max_concurrency=2,
                                                    num_gpus=1 if _has_gpu() else 0)
         master = ("127.0.0.1", free_port())
-        self.learners = [worker.remote(cfg, rank, master, self.redis_url, self.resume)
+        self.learners = [worker.remote(cfg, rank, master, self.redis_url, resume)
                          for rank in range(cfg.learner.ranks)]
-        self.start_version = ray.get(self.learners[0].get_version.remote())
-        self.coordinator = ray.remote(Coordinator).options(name="coordinator").remote(
-            cfg.max_staleness, cfg.learner.batch_size, self.start_version, self.carried)
-        for _ in range(cfg.generator.count):
-            self._add_generator({})
+        self.learner_pid = ray.get(self.learners[0].pid.remote())
+        return ray.get(self.learners[0].get_version.remote())
 
-    def _add_generator(self, resources: dict[str, float], index: int | None = None) -> None:
-        """Start generator number `index` (default: a new one) with its own prompt stream."""
+    def _restart_learners(self, why: str) -> int:
+        """A learner rank died: restart every rank from the newest checkpoint (ranks train in
+        lock-step, so they go back together), rebase the gate on what the stream holds as a
+        resumed job does, and form a new weight-sync epoch, whose first message brings the
+        generators back to that version. Returns the learner's version."""
+        ray, budget = self.ray, self.cfg.learner.max_restarts
+        if self.learner_restarts >= budget:
+            raise RuntimeError(f"the learner died ({why}) and learner.max_restarts={budget} "
+                               "restarts are spent")
+        self.learner_restarts += 1
+        print(f"learner died ({why}); restarting it from the newest checkpoint (restart "
+              f"{self.learner_restarts} of learner.max_restarts={budget})", file=sys.stderr)
+        for learner in self.learners:
+            ray.kill(learner)
+        version = self._start_learners(resume=True)
+        self.sync_failures = 0  # the new broadcaster counts its own
+        stats = self.queue.stats()
+        carried = (stats.backlog + stats.pending) * self.cfg.generator.group_size
+        ray.get(self.coordinator.rebase.remote(version, carried))
+        self.forgotten = not_trained(stats.counters)
+        self._new_epoch()
+        print(f"learner restarted at version {version}", file=sys.stderr)
+        return version
+
+    def _add_generator(self, resources: dict[str, float], index: int | None = None) -> str:
+        """Start generator number `index` (default: a new one) with its own prompt stream;
+        returns its id."""
         from async_rlhf.roles import GeneratorWorker
 
         if index is None:
@@ -198,6 +234,30 @@ class Job:
             self.cfg, index, self.redis_url, self.coordinator)
         self.starting[f"gen-{index}"] = (handle, handle.__ray_ready__.remote())
         print(f"generator gen-{index} starting{' on ' + json.dumps(resources) if resources else ''}")
+        return f"gen-{index}"
+
+    def _place(self, request_id: int, resources: dict[str, float]) -> None:
+        """An add-generators request: start it if some node could ever host it, else refuse it
+        at once, naming what it asked for and what the nodes have."""
+        need = {"CPU": float(self.cfg.generator.threads), **resources}
+        nodes = [n["Resources"] for n in self.ray.nodes() if n["Alive"]]
+        if not any(all(node.get(k, 0.0) >= v for k, v in need.items()) for node in nodes):
+            state = (f"refused: no node has {need}; the nodes have {nodes} (start one with those "
+                     "resources: `ray start --address=... --resources=...`)")
+            print(f"generator request {request_id} {state}", file=sys.stderr)
+        else:
+            gid = self._add_generator(resources)
+            self.requested[gid] = (request_id, need, time.monotonic())
+            state = f"starting {gid}"
+        self.ray.get(self.coordinator.set_placement.remote(request_id, state))
+
+    def _report_pending(self) -> None:
+        """Requested generators that Ray has not placed after a few seconds: say why."""
+        for gid, (request_id, need, since) in self.requested.items():
+            if gid in self.starting and time.monotonic() - since > 5.0:
+                free = {k: v for k, v in self.ray.available_resources().items() if "memory" not in k}
+                self.coordinator.set_placement.remote(
+                    request_id, f"pending {gid}: waiting for {need} (free now: {free})")
 
     def _wait_for_generators(self, timeout_s: float = 0.0) -> None:
         """Move generators whose engine is up into the job (they join the next epoch); report
@@ -208,12 +268,17 @@ class Job:
         for ref in ready:
             gid = refs[ref]
             handle, _ = self.starting.pop(gid)
+            request_id = self.requested.pop(gid, (None,))[0]
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as e:
                 print(f"generator {gid} failed to start: {e}", file=sys.stderr)
+                if request_id is not None:
+                    ray.get(self.coordinator.set_placement.remote(request_id, f"failed {gid}: {e}"))
                 continue
             self.generators[gid] = handle
+            if request_id is not None:
+                ray.get(self.coordinator.set_placement.remote(request_id, f"ready {gid}"))
             print(f"generator {gid} ready")
         if not self.generators and not self.starting and not self.due_restarts:
             raise RuntimeError("no generator could start (see the errors above)")
@@ -239,14 +304,11 @@ class Job:
         self._new_epoch()
         while version < cfg.learner.steps:
             step_start = time.perf_counter()
-            refs = [l.step.remote() for l in self.learners]
-            while len(ready := ray.wait(refs, num_returns=len(refs), timeout=TICK_S)[0]) < len(refs):
-                for ref in ready:  # a rank that failed: raise now, not after the others' timeout
-                    ray.get(ref)
-                self._tick()
-            if time.monotonic() - self.last_tick >= TICK_S:  # fast steps: still watch each second
-                self._tick()
-            metrics = ray.get(refs)[0]  # raises if a rank failed
+            try:
+                metrics = self._step()
+            except ray.exceptions.RayActorError as e:  # a rank died (a task error still ends the job)
+                version = self._restart_learners(type(e).__name__)
+                continue
             version = metrics["version"]
             self._record(metrics, time.perf_counter() - step_start, metrics_file)
             if reason := ray.get(self.coordinator.stop_requested.remote()):
@@ -255,13 +317,26 @@ class Job:
         metrics_file.close()
         return 0
 
+    def _step(self) -> dict[str, Any]:
+        """One learner step on every rank, watching the job each second while it runs."""
+        ray = self.ray
+        refs = [l.step.remote() for l in self.learners]
+        while len(ready := ray.wait(refs, num_returns=len(refs), timeout=TICK_S)[0]) < len(refs):
+            for ref in ready:  # a rank that failed: raise now, not after the others' timeout
+                ray.get(ref)
+            self._tick()
+        if time.monotonic() - self.last_tick >= TICK_S:  # fast steps: still watch each second
+            self._tick()
+        return ray.get(refs)[0]  # raises if a rank failed
+
     def _tick(self) -> None:
         """While a step runs: watch generators, take requests, publish the status snapshot."""
         ray = self.ray
         self.last_tick = time.monotonic()
         members = set(self.generators)
         for request in ray.get(self.coordinator.take_requests.remote()):
-            self._add_generator(request["resources"])
+            self._place(request["id"], request["resources"])
+        self._report_pending()
         while self.due_restarts and self.due_restarts[0][0] <= time.monotonic():
             gid = self.due_restarts.pop(0)[1]
             try:
@@ -279,6 +354,8 @@ class Job:
             if error := self.gen_stats[gid]["error"]:
                 log.error("generator %s failed:\n%s", gid, error)
                 self._lose_generator(gid, error.strip().splitlines()[-1])
+        if not self.generators:  # all being replaced: the learner's wait is not theirs to time out
+            self.learners[0].keep_waiting.remote()
         failures = self.last_metrics.get("weight_sync_failures", 0)
         if set(self.generators) != members or failures > self.sync_failures:
             self.sync_failures = failures  # a group that did not form or broke: form a new one
@@ -305,7 +382,7 @@ class Job:
     def _record(self, m: dict[str, Any], step_s: float, metrics_file) -> None:
         ray = self.ray
         self.last_metrics = m
-        gone = _not_trained(self.queue.stats().counters)  # groups: stale, malformed, dead-lettered
+        gone = not_trained(self.queue.stats().counters)  # groups: stale, malformed, dead-lettered
         if gone > self.forgotten:  # they give their gate slots back
             ray.get(self.coordinator.forget.remote((gone - self.forgotten) * self.cfg.generator.group_size))
             self.forgotten = gone
@@ -338,8 +415,10 @@ class Job:
 
     def _snapshot(self) -> dict[str, Any]:
         m = self.last_metrics
-        learner = {"step": m.get("version", self.start_version), "policy_version": m.get("version", self.start_version),
-                   "reward_mean": m.get("reward_mean"), "of_steps": self.cfg.learner.steps}
+        version = m.get("version", self.start_version)
+        learner = {"step": version, "policy_version": version, "reward_mean": m.get("reward_mean"),
+                   "of_steps": self.cfg.learner.steps, "pid": self.learner_pid,
+                   "restarts": self.learner_restarts}
         return {"generators": list(self.gen_stats.values()), "learner": learner,
                 "generator_restarts": self.restarts,
                 "out": str(self.out), "job": self.cfg.job}
@@ -361,7 +440,7 @@ class Job:
                 self.gen_stats[gid] = ray.get(handle.stop.remote(), timeout=120)
             except Exception as e:  # noqa: BLE001 - a dead generator must not block the summary
                 log.warning("stopping %s: %s", gid, e)
-        summary = accounting(self.queue) if self.queue is not None else {}
+        summary = self.queue.accounting() if self.queue is not None else {}
         summary["generators"] = list(self.gen_stats.values())
         summary["wall_s"] = time.time() - self.start_time
         if self.error:
@@ -373,41 +452,7 @@ class Job:
               + (f"; error: {self.error.splitlines()[0]}" if self.error else ""))
 
 
-ACCOUNTING = ("produced", "trained", "dropped_stale", "dead_lettered", "left_in_queue", "lost")
-# counters that record events rather than where an entry went (see buffer/redis_stream.py)
-_EVENTS = ("produced", "reclaimed", "ack_lost", "set_aside")
-
-
-def _outcomes(counters: dict[str, int]) -> dict[str, int]:
-    """Where entries went: trained, dropped_stale, dead_lettered, any other ack reason."""
-    return {k: v for k, v in counters.items() if not k.startswith(_EVENTS)}
-
-
-def _not_trained(counters: dict[str, int]) -> int:
-    return sum(v for k, v in _outcomes(counters).items() if k != "trained")
-
-
-def accounting(queue: RedisExperienceQueue) -> dict[str, Any]:
-    """Where every group went, from the stream's shared counters. One stream entry holds one
-    whole group (generator.group_size samples), so every count here is of groups, not samples;
-    `set_aside` counts groups the generators set aside before producing them."""
-    stats = queue.stats()
-    c = stats.counters
-    outcomes = _outcomes(c)
-    summary = {
-        "unit": "groups",  # of generator.group_size samples each
-        "produced": c.get("produced", 0),
-        "trained": outcomes.pop("trained", 0),
-        "dropped_stale": outcomes.pop("dropped_stale", 0),
-        "dead_lettered": outcomes.pop("dead_lettered", 0),
-        "acked_other": outcomes,  # acked under another reason by a consumer of our own
-        "left_in_queue": stats.backlog + stats.pending,
-        "set_aside": {k: v for k, v in c.items() if k.startswith("set_aside:")},  # never produced
-        "counters": c,
-    }
-    summary["lost"] = (summary["produced"] - summary["trained"] - summary["dropped_stale"]
-                       - summary["dead_lettered"] - sum(outcomes.values()) - summary["left_in_queue"])
-    return summary
+ACCOUNTING = ("produced", "foreign", "trained", "dropped_stale", "dead_lettered", "left_in_queue", "lost")
 
 
 def _has_gpu() -> bool:

@@ -39,7 +39,8 @@ class Coordinator:
     def __init__(self, max_staleness: int, batch_size: int, start_version: int = 0, carried: int = 0):
         self.gate = StalenessGate(max_staleness, batch_size, accepted=start_version * batch_size + carried)
         self.running: Counter[str] = Counter()
-        self.requests: list[dict[str, Any]] = []
+        self.requests: list[dict[str, Any]] = []  # add-generators requests not yet taken
+        self.placements: dict[int, str] = {}  # request id -> what became of it
         self.stop_reason = ""
         self.snapshot: dict[str, Any] = {}
 
@@ -59,14 +60,31 @@ class Coordinator:
     def step_trained(self, fresh: int) -> None:
         self.gate.step_trained(fresh)
 
+    def rebase(self, version: int, carried: int) -> None:
+        """The learner restarted from its checkpoint at `version`: count accepted as a resumed
+        job does (see the class docstring); admitted work in flight stays counted."""
+        self.gate.accepted = version * self.gate.batch_size + carried
+
     def release(self, generator_id: str) -> int:
         """A generator died: free the samples it had admitted and will never finish."""
         n = self.running.pop(generator_id, 0)
         self.gate.finish(n, 0)
         return n
 
-    def request_generators(self, count: int, resources: dict[str, float] | None) -> None:
-        self.requests.extend({"resources": resources or {}} for _ in range(count))
+    def request_generators(self, count: int, resources: dict[str, float] | None) -> list[int]:
+        """Queue `count` generators for the launcher to place; returns their request ids."""
+        ids = list(range(len(self.placements), len(self.placements) + count))
+        for i in ids:
+            self.requests.append({"id": i, "resources": resources or {}})
+            self.placements[i] = "requested"
+        return ids
+
+    def set_placement(self, request_id: int, state: str) -> None:
+        """What became of a request: starting, pending (with why), ready, refused or failed."""
+        self.placements[request_id] = state
+
+    def placement(self, request_ids: list[int]) -> dict[int, str]:
+        return {i: self.placements[i] for i in request_ids}
 
     def take_requests(self) -> list[dict[str, Any]]:
         requests, self.requests = self.requests, []
@@ -82,7 +100,9 @@ class Coordinator:
         self.snapshot = snapshot
 
     def get_snapshot(self) -> dict[str, Any]:
-        return {**self.snapshot, "gate": {"accepted": self.gate.accepted, "running": self.gate.running}}
+        return {**self.snapshot, "gate": {"accepted": self.gate.accepted, "running": self.gate.running},
+                "requests": {i: state for i, state in self.placements.items()
+                             if not state.startswith(("ready", "refused", "failed"))}}
 
 
 class _CoordinatorGate:
@@ -203,11 +223,20 @@ class LearnerWorker:
             publisher=self.broadcaster,
             ckpt_dir=self.out / "checkpoints",
         )
-        if resume and self.learner.resume():
+        if resume:  # from the newest checkpoint, or the initial weights if there is none
+            self.learner.resume()
             self.learner.publish_weights()  # kept by the broadcaster for the first epoch
 
     def get_version(self) -> int:
         return self.learner.version
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def keep_waiting(self) -> None:
+        """No generator is alive (one is being replaced): the wait for data does not count
+        towards learner.wait_s. Runs beside a step (a threaded actor)."""
+        self.learner.keep_waiting()
 
     def open_epoch(self, world_size: int) -> SyncAddress:
         """Called while a step may be running (a threaded actor): touches only the broadcaster."""

@@ -11,13 +11,16 @@ Keys, for stream name S:
     S:counters    a hash of counts of entries (groups) shared by every process: produced,
                   trained, dropped_stale, dead_lettered, ... (every `ack` reason), which always
                   satisfy produced = sum of ack reasons + dead_lettered + backlog + pending;
-                  plus events that are not fates: reclaimed, ack_lost, set_aside[:reason]
+                  plus events that are not fates: reclaimed, ack_lost, set_aside[:reason], and
+                  foreign: entries first delivered without our producer field (b"p"), i.e.
+                  written by another client; their fates are counted like any other's
     S:prompt_positions  producer name -> prompts it had taken at its last put (`put` writes it
                   with the groups, atomically), where a restarted producer continues
 
 Lifecycle of an entry: `put` XADDs it; `get` delivers it to one consumer (XREADGROUP, or
 XAUTOCLAIM once it has been idle for claim_idle_ms in the hands of another consumer, presumed
-dead); `ack(ids, reason)` removes it (XACK + XDEL, so memory stays bounded) and counts the
+dead, or at once when a previous incarnation of this consumer's name held it: a restarted
+learner takes back what it had); `ack(ids, reason)` removes it (XACK + XDEL, so memory stays bounded) and counts the
 reason. Entries that do not decode or validate, that a consumer `reject`s (the learner: a token
 outside its vocabulary, say), or that were delivered more than max_deliveries times without an
 ack (a poison entry that crashes every consumer) go to S:dead with their bytes, acked and
@@ -43,6 +46,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -54,6 +58,9 @@ from buffer.codec import decode_batch, encode
 log = logging.getLogger(__name__)
 
 FIELD = b"t"
+PRODUCER = b"p"  # our producers' name on each entry: entries without it were written by others
+# counters that record events rather than where an entry went
+_EVENTS = ("produced", "foreign", "reclaimed", "ack_lost", "set_aside")
 _SCRIPT_CHUNK = 1000  # ids per Lua call: keeps unpack() far below Lua's stack limit
 
 # Ownership check shared by the scripts below: ARGV[first_id..] are ids; one XPENDING over their
@@ -124,6 +131,16 @@ return n
 """
 
 
+def _outcomes(counters: dict[str, int]) -> dict[str, int]:
+    """Where entries went: trained, dropped_stale, dead_lettered, any other ack reason."""
+    return {k: v for k, v in counters.items() if not k.startswith(_EVENTS)}
+
+
+def not_trained(counters: dict[str, int]) -> int:
+    """Entries gone without training (stale, malformed, dead-lettered...), from the counters."""
+    return sum(v for k, v in _outcomes(counters).items() if k != "trained")
+
+
 class QueueFull(TimeoutError):
     pass
 
@@ -192,6 +209,7 @@ class RedisExperienceQueue:
         self._autoclaim_script = client.register_script(_AUTOCLAIM_IDS)
         self._claim_cursor = b"0-0"
         self._held: set[str] = set()  # delivered to this consumer, not yet acked
+        self._recovering = True  # until _recover_own finds nothing a predecessor left
         try:
             client.xgroup_create(stream, group, id="0", mkstream=True)
         except redis.ResponseError as e:
@@ -257,7 +275,7 @@ class RedisExperienceQueue:
                 self._wait_for_room(len(chunk), timeout_s, start)
             pipe = self._r.pipeline(transaction=True)
             for data in payloads:  # = pipe.xadd(self.stream, {FIELD: data}), ~0.5 us less each
-                pipe.execute_command("XADD", self.stream, "*", FIELD, data)
+                pipe.execute_command("XADD", self.stream, "*", FIELD, data, PRODUCER, self.consumer)
             pipe.hincrby(self.counters_key, "produced", len(chunk))
             if prompt_position is not None and i == len(chunks) - 1:
                 pipe.hset(self.positions_key, self.consumer, prompt_position)
@@ -293,7 +311,22 @@ class RedisExperienceQueue:
         cursor, ids, *_ = self._autoclaim_script(keys=[self.stream], args=[
             self.group, self.consumer, self.claim_idle_ms, self._claim_cursor, count])
         self._claim_cursor = cursor
-        ids = [i for i in ids if i.decode() not in self._held]
+        return self._claim([i for i in ids if i.decode() not in self._held])
+
+    def _recover_own(self, count: int) -> list[tuple[bytes, bytes]]:
+        """Entries pending under this consumer's name that this object never received: a
+        previous incarnation of the consumer (a restarted learner) held them when it died.
+        They are ours, so take them at once rather than after claim_idle_ms. Called until it
+        finds none (they are the oldest of our pending entries, so they come first)."""
+        pending = self._r.xpending_range(self.stream, self.group, min="-", max="+", count=count,
+                                         consumername=self.consumer)
+        ids = [p["message_id"] for p in pending if p["message_id"].decode() not in self._held]
+        self._recovering = bool(ids)
+        return self._claim(ids)
+
+    def _claim(self, ids: list[bytes]) -> list[tuple[bytes, bytes]]:
+        """Claim `ids` with their data (one more delivery each); those delivered more than
+        max_deliveries times go to S:dead instead."""
         if not ids:
             return []
         pipe = self._r.pipeline(transaction=False)
@@ -317,7 +350,7 @@ class RedisExperienceQueue:
             self._dead_letter(poison)
         if keep:
             self._r.hincrby(self.counters_key, "reclaimed", len(keep))
-            log.info("reclaimed %d entries idle > %d ms from other consumers", len(keep), self.claim_idle_ms)
+            log.info("reclaimed %d entries left by dead or stalled consumers", len(keep))
         return keep
 
     def get(self, count: int, block_ms: int = 1000) -> list[Received]:
@@ -326,7 +359,7 @@ class RedisExperienceQueue:
         Malformed entries are dead-lettered instead of returned."""
         if count <= 0:
             raise ValueError(f"count must be > 0, got {count}")
-        entries = self._reclaim(count)
+        entries = (self._recovering and self._recover_own(count)) or self._reclaim(count)
         if not entries:
             reply = self._r.xreadgroup(
                 self.group, self.consumer, {self.stream: ">"}, count=count,
@@ -334,7 +367,10 @@ class RedisExperienceQueue:
             )
             if isinstance(reply, dict):  # RESP3 client: {stream: [entries]}
                 reply = [[k, v[0]] for k, v in reply.items()]
-            entries = [(i, f.get(FIELD, b"")) for i, f in reply[0][1]] if reply else []
+            fields = reply[0][1] if reply else []
+            entries = [(i, f.get(FIELD, b"")) for i, f in fields]
+            if foreign := sum(PRODUCER not in f for _, f in fields):  # first delivery: count once
+                self._r.hincrby(self.counters_key, "foreign", foreign)
         payloads = [data for _, data in entries]
         out, bad = [], []
         for (raw_id, data), group in zip(entries, decode_batch(payloads)):
@@ -419,6 +455,38 @@ class RedisExperienceQueue:
             dead_letters=dead,
             counters={k.decode(): int(v) for k, v in counters.items()},
         )
+
+    def accounting(self) -> dict[str, Any]:
+        """Where every entry (group) went, from the shared counters: produced (by our producers)
+        plus foreign (written by anyone else, counted at first delivery, and those still
+        undelivered) = trained + dropped_stale + dead_lettered + other ack reasons + left in the
+        stream; `lost` is what that leaves over, 0 unless something is wrong. `set_aside` counts
+        groups the generators set aside before producing them."""
+        stats = self.stats()
+        c = stats.counters
+        outcomes = _outcomes(c)
+        summary = {
+            "unit": "groups",  # of generator.group_size samples each
+            "produced": c.get("produced", 0),
+            "foreign": c.get("foreign", 0) + self._foreign_backlog(),
+            "trained": outcomes.pop("trained", 0),
+            "dropped_stale": outcomes.pop("dropped_stale", 0),
+            "dead_lettered": outcomes.pop("dead_lettered", 0),
+            "acked_other": outcomes,  # acked under another reason by a consumer of our own
+            "left_in_queue": stats.backlog + stats.pending,
+            "set_aside": {k: v for k, v in c.items() if k.startswith("set_aside:")},  # never produced
+            "counters": c,
+        }
+        summary["lost"] = (summary["produced"] + summary["foreign"] - summary["trained"]
+                           - summary["dropped_stale"] - summary["dead_lettered"]
+                           - sum(outcomes.values()) - summary["left_in_queue"])
+        return summary
+
+    def _foreign_backlog(self) -> int:
+        """Entries without our producer field that no consumer has read yet."""
+        last = next(g["last-delivered-id"].decode() for g in self._r.xinfo_groups(self.stream)
+                    if g["name"] == self.group.encode())
+        return sum(PRODUCER not in f for _, f in self._r.xrange(self.stream, min=f"({last}", max="+"))
 
     def dead_letters(self, count: int = 100) -> list[DeadLetter]:
         """The most recent `count` dead letters, oldest first."""

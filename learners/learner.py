@@ -181,6 +181,7 @@ class Learner:
         self.on_metrics = on_metrics
         self.version = 0
         self._saved_version = -1  # the version of the newest checkpoint written or loaded
+        self._last_progress = time.monotonic()  # when data last arrived (learner.wait_s)
         self.counters: collections.Counter[str] = collections.Counter()
         flag = torch.tensor([int(publisher is not None)], device=backend.device)
         dist.broadcast(flag, 0)  # every rank joins the ZeRO-3 gather iff rank 0 publishes
@@ -276,7 +277,7 @@ class Learner:
         need = self.cfg.batch_size // self.group_size
         items: list[Received] = []
         first_use: list[str] = []
-        last_progress = time.monotonic()
+        self.keep_waiting()
         while len(items) < need:
             fresh = self._admit(self.queue.get(need, block_ms=200))
             self.replay.add(fresh)
@@ -294,8 +295,8 @@ class Learner:
                 if r.entry_id in firsts:
                     first_use.append(r.entry_id)
             if fresh or draw.items:
-                last_progress = time.monotonic()
-            elif time.monotonic() - last_progress > self.cfg.wait_s:
+                self.keep_waiting()
+            elif time.monotonic() - self._last_progress > self.cfg.wait_s:
                 raise TimeoutError(
                     f"no usable groups for {self.cfg.wait_s:.0f} s at version {self.version} "
                     f"({len(items)}/{need} collected): are the generators running and admitted? "
@@ -304,6 +305,10 @@ class Learner:
             if len(items) == need:
                 items, first_use = self._renew(items, first_use)
         return items, first_use
+
+    def keep_waiting(self) -> None:
+        """Restart the learner.wait_s clock (data arrived, or the launcher knows why none can)."""
+        self._last_progress = time.monotonic()
 
     def _renew(self, items: list[Received], first_use: list[str]) -> tuple[list[Received], list[str]]:
         """Keep the first-use items this consumer still owns, their reclaim timers reset, so

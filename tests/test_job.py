@@ -18,6 +18,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+import redis
 
 pytestmark = pytest.mark.slow
 
@@ -137,6 +138,10 @@ def test_killed_only_generator_is_replaced_and_the_job_goes_on(tmp_path, tiny_ac
         status_text = _cli(tmp_path, "status", "--job", name)
         record = json.loads((tmp_path / "home" / "jobs" / f"{name}.json").read_text())
         password = urlparse(record["redis_url"]).password
+        foreign = redis.Redis.from_url(record["redis_url"])  # garbage from another client
+        for i in range(20):
+            foreign.xadd("experience", {"t": b"garbage %d" % i})
+        foreign.close()
         (victim,) = json.loads(status_json)["generators"]
         os.kill(victim["pid"], signal.SIGKILL)
 
@@ -153,34 +158,76 @@ def test_killed_only_generator_is_replaced_and_the_job_goes_on(tmp_path, tiny_ac
         metrics, summary = _finish(tmp_path, name, proc)
     assert metrics[-1]["generators"] == 1
     _check_accounting(summary)
+    assert summary["foreign"] == 20 and summary["dead_lettered"] >= 20
     # the embedded Redis's password is in the job record (0600) and nowhere a user would paste
     outputs = [status_json, status_text, proc.log_path.read_text()] + [
         (tmp_path / name / f).read_text() for f in ("summary.json", "metrics.jsonl", "config.yaml")]
     assert password and not any(password in text for text in outputs)
 
 
-def test_add_generators_from_second_driver_on_second_node(tmp_path, tiny_actor_model):
+def test_killed_learner_restarts_from_its_checkpoint_and_the_job_finishes(tmp_path, tiny_actor_model):
+    name = "relearn"
+    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=150", "max_staleness=1",
+                  "learner.checkpoint_every=5", "learner.micro_batch=1")
+    with _interrupted_on_failure(proc):
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 1, 300, "the first learner step")
+        pid = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))["learner"]["pid"]
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 6, 300, "a checkpoint at step 5")
+        os.kill(pid, signal.SIGKILL)
+        metrics, summary = _finish(tmp_path, name, proc)
+    steps = [m["step"] for m in metrics]
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    # versions go on from the newest checkpoint: a multiple of 5, not after the last step seen
+    assert (steps[restart] - 1) % 5 == 0 and steps[restart] <= steps[restart - 1]
+    assert steps[:restart] == list(range(1, restart + 1))
+    assert steps[restart:] == list(range(steps[restart], 151))
+    assert "restart 1 of learner.max_restarts=3" in proc.log_path.read_text()
+    _check_accounting(summary)
+    counters = summary["counters"]
+    assert counters.get("ack_lost", 0) == 0  # no group trained by two incarnations
+    # every trained group is in one recorded step, bar a step acked just as the learner died
+    recorded = sum(m["groups"] for m in metrics)
+    assert 0 <= summary["trained"] - recorded <= 8 // 2
+
+
+def _cli_result(tmp_path: Path, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "async_rlhf.cli", *args], capture_output=True,
+                          text=True, env=_env(tmp_path), timeout=timeout_s)
+
+
+def test_add_generators_on_this_machine_and_on_a_second_node(tmp_path, tiny_actor_model):
     from async_rlhf import cluster
 
     name = "grow"
     proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "max_staleness=1")
     with _interrupted_on_failure(proc):
         _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 1, 300, "the first learner step")
+        # no node has node_b yet: refused at once, naming what was asked and what there is
+        start = time.monotonic()
+        refused = _cli_result(tmp_path, "add-generators", "--job", name, "--resources", '{"node_b": 1}')
+        assert refused.returncode == 1 and time.monotonic() - start < 30, refused.stdout + refused.stderr
+        assert "refused: no node has {'CPU': 1.0, 'node_b': 1}" in refused.stdout
+        # on this machine: the local cluster has room, and the new generator starts and trains
+        local = _cli_result(tmp_path, "add-generators", "--job", name, "--wait-s", "150")
+        assert local.returncode == 0 and "ready gen-1" in local.stdout, local.stdout + local.stderr
         info = json.loads(next((tmp_path / "home" / "jobs").glob(f"{name}.json")).read_text())
         with cluster.start_worker_node(info["ray_address"], info["ray_token_path"], num_cpus=1,
                                        resources={"node_b": 1}):
-            _cli(tmp_path, "add-generators", "--job", name, "--count", "1",
-                 "--resources", '{"node_b": 1}')
+            remote = _cli_result(tmp_path, "add-generators", "--job", name, "--resources",
+                                 '{"node_b": 1}', "--wait-s", "150")
+            assert "ready gen-2" in remote.stdout, remote.stdout + remote.stderr
 
-            def new_generator_trained():
+            def trained_from(*gids):
                 path = tmp_path / name / "metrics.jsonl"
                 rows = [json.loads(line) for line in path.read_text().splitlines()]
-                return any(r.get("trained_by_generator", {}).get("gen-1", 0) > 0 for r in rows)
+                return all(any(r.get("trained_by_generator", {}).get(g, 0) > 0 for r in rows)
+                           for g in gids)
 
-            _wait_for(proc, new_generator_trained, 300, "gen-1's trajectories to be trained on")
+            _wait_for(proc, lambda: trained_from("gen-1", "gen-2"), 300,
+                      "gen-1's and gen-2's groups to be trained on")
             status = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))
             nodes = {g["generator_id"]: g["node_id"] for g in status["generators"]}
-            assert nodes["gen-1"] != nodes["gen-0"]
+            assert nodes["gen-2"] != nodes["gen-0"] == nodes["gen-1"]
             _cli(tmp_path, "stop", "--job", name)
             metrics, summary = _finish(tmp_path, name, proc)
     assert metrics[-1]["step"] < 100000  # it stopped on request

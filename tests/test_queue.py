@@ -97,6 +97,38 @@ def test_prompt_positions_go_in_with_the_groups_and_a_checkpoint_fills_only_gaps
     assert gen0.stats().counters == {"produced": 6}
 
 
+def test_entries_written_by_a_foreign_client_are_counted_and_accounted(make_queue, redis_client,
+                                                                       stream_name):
+    queue = make_queue()
+    queue.put([make_group(0), make_group(1)])
+    for i in range(3):  # garbage from another client, one with our payload field
+        redis_client.xadd(stream_name, {FIELD: b"not msgpack"} if i else {b"x": b"1"})
+    assert queue.accounting()["foreign"] == 3  # undelivered yet
+    got = queue.get(2, block_ms=0)
+    assert [r.group.group_id for r in got] == ["group-0", "group-1"]
+    assert queue.accounting()["foreign"] == 3
+    assert queue.get(10, block_ms=0) == []  # the three are dead-lettered on delivery
+    queue.ack([r.entry_id for r in got])
+    summary = queue.accounting()
+    assert summary["counters"]["foreign"] == 3 and summary["foreign"] == 3
+    assert (summary["produced"], summary["trained"], summary["dead_lettered"]) == (2, 2, 3)
+    assert summary["lost"] == 0 and summary["left_in_queue"] == 0
+
+
+def test_a_restarted_consumer_takes_back_what_its_predecessor_held_at_once(make_queue):
+    producer = make_queue("gen-0")
+    producer.put([make_group(i) for i in range(5)])
+    dead = make_queue("learner-0", claim_idle_ms=60_000)
+    assert len(dead.get(3, block_ms=0)) == 3  # then it dies without acking
+    other = make_queue("learner-1", claim_idle_ms=60_000)
+    restarted = make_queue("learner-0", claim_idle_ms=60_000)
+    assert [r.group.group_id for r in restarted.get(2, block_ms=0)] == ["group-0", "group-1"]
+    assert [r.group.group_id for r in restarted.get(10, block_ms=0)] == ["group-2"]
+    assert [r.group.group_id for r in restarted.get(10, block_ms=0)] == ["group-3", "group-4"]
+    assert other.get(10, block_ms=0) == []  # nothing idle long enough for anyone else
+    assert restarted.stats().counters["reclaimed"] == 3
+
+
 def test_from_config_and_empty_get(redis_server, stream_name):
     cfg = QueueConfig(stream=stream_name, max_backlog=10, claim_idle_ms=100)
     queue = RedisExperienceQueue.from_config(cfg, redis_server.url, "learner-0")
