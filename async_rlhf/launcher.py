@@ -72,6 +72,9 @@ class Job:
         self.error = ""
         self.start_time = time.time()
         self.ray = None  # set by _start_ray; the parts below exist once they have started
+        self.redis = None  # the embedded redis-server, unless queue.redis_url
+        self.redis_restarts = 0
+        self.left_in_queue = 0  # as of the last step
         self.queue: RedisExperienceQueue | None = None
         self.learners: list[Any] = []
         self.tb = None
@@ -111,8 +114,8 @@ class Job:
         if cfg.queue.redis_url:
             self.redis_url = cfg.queue.redis_url
         else:
-            redis = stack.enter_context(EmbeddedRedis(self.out / "redis", durable=cfg.queue.durable))
-            self.redis_url = redis.url
+            self.redis = stack.enter_context(EmbeddedRedis(self.out / "redis", durable=cfg.queue.durable))
+            self.redis_url = self.redis.url
         self.queue = RedisExperienceQueue.from_config(cfg.queue, self.redis_url, consumer="driver")
         self._check_fresh_stream()
         self._start_ray()
@@ -333,6 +336,8 @@ class Job:
         """While a step runs: watch generators, take requests, publish the status snapshot."""
         ray = self.ray
         self.last_tick = time.monotonic()
+        if self.redis is not None and not self.redis.running:
+            self._restart_redis()
         members = set(self.generators)
         for request in ray.get(self.coordinator.take_requests.remote()):
             self._place(request["id"], request["resources"])
@@ -362,6 +367,21 @@ class Job:
             self._new_epoch()
         ray.get(self.coordinator.set_snapshot.remote(self._snapshot()))
 
+    def _restart_redis(self) -> None:
+        """The embedded redis-server died: start it again on its port and data directory. The
+        queue's clients retry meanwhile. With queue.durable its append-only file brings the
+        stream back, pending entries and counters included; without it they are gone, and the
+        job ends saying so (after the restart, so that the learner can still checkpoint)."""
+        self.redis_restarts += 1
+        self.redis.start()
+        if not self.cfg.queue.durable:
+            raise RuntimeError(
+                f"redis-server died and queue.durable is false: the experience stream, its "
+                f"counters and dead letters are gone ({self.left_in_queue} groups were in it at the "
+                "last step); set queue.durable=true to ride out a Redis restart")
+        print(f"redis-server died; restarted it on port {self.redis.port} from its append-only "
+              f"file (restart {self.redis_restarts})", file=sys.stderr)
+
     def _lose_generator(self, gid: str, why: str) -> None:
         ray = self.ray
         handle = self.generators.pop(gid)
@@ -382,7 +402,9 @@ class Job:
     def _record(self, m: dict[str, Any], step_s: float, metrics_file) -> None:
         ray = self.ray
         self.last_metrics = m
-        gone = not_trained(self.queue.stats().counters)  # groups: stale, malformed, dead-lettered
+        stats = self.queue.stats()
+        self.left_in_queue = stats.backlog + stats.pending
+        gone = not_trained(stats.counters)  # groups: stale, malformed, dead-lettered
         if gone > self.forgotten:  # they give their gate slots back
             ray.get(self.coordinator.forget.remote((gone - self.forgotten) * self.cfg.generator.group_size))
             self.forgotten = gone
@@ -443,6 +465,7 @@ class Job:
         summary = self.queue.accounting() if self.queue is not None else {}
         summary["generators"] = list(self.gen_stats.values())
         summary["wall_s"] = time.time() - self.start_time
+        summary["redis_restarts"] = self.redis_restarts
         if self.error:
             summary["error"] = self.error
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))

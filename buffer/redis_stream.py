@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from async_rlhf.config import QueueConfig
 from async_rlhf.protocols import QueueStats
@@ -219,9 +221,13 @@ class RedisExperienceQueue:
 
     @classmethod
     def from_config(cls, cfg: QueueConfig, url: str, consumer: str) -> RedisExperienceQueue:
-        """`url`: cfg.redis_url, or the embedded server's url when that is None."""
+        """`url`: cfg.redis_url, or the embedded server's url when that is None. The client
+        rides out a Redis restart: a command that cannot reach the server is retried with
+        backoff (50 ms doubling to 2 s) for about a minute before it raises."""
+        client = redis.Redis.from_url(url, decode_responses=False,
+                                      retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 35))
         return cls(
-            redis.Redis.from_url(url, decode_responses=False), consumer, stream=cfg.stream,
+            client, consumer, stream=cfg.stream,
             group=cfg.group, max_backlog=cfg.max_backlog, claim_idle_ms=cfg.claim_idle_ms,
             max_deliveries=cfg.max_deliveries,
         )

@@ -190,6 +190,36 @@ def test_killed_learner_restarts_from_its_checkpoint_and_the_job_finishes(tmp_pa
     assert 0 <= summary["trained"] - recorded <= 8 // 2
 
 
+def _redis_server_pid(port: int) -> int:
+    """The redis-server listening on 127.0.0.1:port (it titles itself so)."""
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"redis-server" in cmdline and f"127.0.0.1:{port}".encode() in cmdline:
+            return int(entry)
+    raise AssertionError(f"no redis-server on port {port}")
+
+
+def test_killed_redis_is_restarted_and_a_durable_stream_loses_nothing(tmp_path, tiny_actor_model):
+    name = "redis"
+    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "max_staleness=1",
+                  "queue.durable=true")
+    with _interrupted_on_failure(proc):
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
+        record = json.loads((tmp_path / "home" / "jobs" / f"{name}.json").read_text())
+        os.kill(_redis_server_pid(urlparse(record["redis_url"]).port), signal.SIGKILL)
+        _wait_for(proc, lambda: "redis-server died; restarted it" in proc.log_path.read_text(), 60,
+                  "the launcher to restart redis-server")
+        after = _steps_done(tmp_path, name)
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= after + 5, 300, "five more steps")
+        _cli(tmp_path, "stop", "--job", name)
+        metrics, summary = _finish(tmp_path, name, proc)
+    assert summary["redis_restarts"] == 1
+    _check_accounting(summary)
+
+
 def _cli_result(tmp_path: Path, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "async_rlhf.cli", *args], capture_output=True,
                           text=True, env=_env(tmp_path), timeout=timeout_s)
