@@ -206,13 +206,31 @@ class LocalCluster(_Node):
     def token_path(self) -> Path:
         return self.temp_dir / _TOKEN_FILE
 
+    def wait_ready(self) -> LocalCluster:
+        """Wait until the head is up; if it cannot start, stop what is left and raise with the
+        last lines of its log."""
+        try:
+            _wait_for_log(self._group, "Ray runtime started", "ray head node")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
     def stop(self) -> None:
         super().stop()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def start_local_cluster(num_cpus: int, resources: dict[str, float] | None = None) -> LocalCluster:
-    """Start a Ray head node listening on 127.0.0.1 only, with its own temp dir and ports."""
+    """Start a Ray head node listening on 127.0.0.1 only, with its own temp dir and ports, and
+    wait until it is up."""
+    return launch_local_cluster(num_cpus, resources).wait_ready()
+
+
+def launch_local_cluster(num_cpus: int, resources: dict[str, float] | None = None) -> LocalCluster:
+    """Start a Ray head node as start_local_cluster does, without waiting for it: other work can
+    go on meanwhile, then `wait_ready()`. Call both from the same thread (the head gets SIGTERM
+    when the thread that started it ends: PR_SET_PDEATHSIG)."""
     if num_cpus < 1:
         raise ValueError(f"num_cpus must be >= 1, got {num_cpus}")
     # Unix socket paths must stay under 108 bytes: keep the temp dir short and in /tmp.
@@ -231,12 +249,6 @@ def start_local_cluster(num_cpus: int, resources: dict[str, float] | None = None
         f"--ray-client-server-port={free_port()}", "--dashboard-agent-listen-port=0",
     ]
     group = _spawn(cmd, temp_dir.with_suffix(".log"), token_path)
-    try:
-        _wait_for_log(group, "Ray runtime started", "ray head node")
-    except BaseException:
-        group.stop()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        raise
     return LocalCluster(group, address=f"{LOOPBACK}:{port}", temp_dir=temp_dir)
 
 

@@ -71,17 +71,23 @@ class Job:
         self.last_metrics: dict[str, Any] = {}
         self.error = ""
         self.start_time = time.time()
-        self.ray = None  # set by _start_ray; the parts below exist once they have started
+        self.ray = None  # set once connected; the parts below exist once they have started
+        self.cluster = None  # the local Ray head, unless --ray-address
         self.redis = None  # the embedded redis-server, unless queue.redis_url
         self.redis_restarts = 0
         self.left_in_queue = 0  # as of the last step
         self.queue: RedisExperienceQueue | None = None
         self.learners: list[Any] = []
         self.tb = None
+        self.startup: dict[str, float] = {}  # phase -> seconds since the command started
+
+    def _mark(self, phase: str) -> None:
+        from async_rlhf.procs import process_age_s
+
+        self.startup[phase] = round(process_age_s(), 1)
+
     # -- setup and teardown ----------------------------------------------------------------
     def run(self) -> int:
-        from actors.model_init import ensure_model
-
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         resolved = cfg.to_dict()
@@ -89,7 +95,6 @@ class Job:
             resolved["queue"]["redis_url"] = redact_url(cfg.queue.redis_url)
         (self.out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
         print(f"async-rlhf: job {cfg.job!r}, max_staleness={cfg.max_staleness}, out={self.out}")
-        ensure_model(cfg.model.path, cfg.model.preset, seed=cfg.seed)
         self.start_time = time.time()
         with ExitStack() as stack:
             try:  # a part that cannot start ends the job at once, with its cause and a summary
@@ -103,14 +108,23 @@ class Job:
                 self.error = f"{type(e).__name__}: {e}".strip()
                 log.error("job failed: %s", self.error)
                 code = 1
+            stopping = time.monotonic()
             self._finish()
-            return code
+        print(f"shut down in {time.monotonic() - stopping:.1f} s (checkpoint, export, generators, "
+              "Ray, Redis)")
+        return code
 
     def _start_services(self, stack: ExitStack) -> None:
-        """Redis (embedded unless queue.redis_url), the experience stream, Ray."""
+        """The model directory, Redis (embedded unless queue.redis_url) and the experience
+        stream, while the Ray head starts (it takes longest); then connect to Ray."""
+        from actors.model_init import ensure_model
         from buffer.redis_server import EmbeddedRedis
 
         cfg = self.cfg
+        self._launch_head()
+        stack.callback(self._shutdown_ray)
+        ensure_model(cfg.model.path, cfg.model.preset, seed=cfg.seed)
+        self._mark("model")
         if cfg.queue.redis_url:
             self.redis_url = cfg.queue.redis_url
         else:
@@ -118,8 +132,11 @@ class Job:
             self.redis_url = self.redis.url
         self.queue = RedisExperienceQueue.from_config(cfg.queue, self.redis_url, consumer="driver")
         self._check_fresh_stream()
-        self._start_ray()
-        stack.callback(self._shutdown_ray)
+        self._mark("redis")
+        if self.cluster is not None:
+            self.cluster.wait_ready()
+        self._connect_ray()
+        self._mark("ray")
         signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which sets its own
         # also when started in the background, where shells start us with SIGINT ignored
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -138,25 +155,26 @@ class Job:
         self.carried = (stats.backlog + stats.pending) * self.cfg.generator.group_size
         self.forgotten = not_trained(stats.counters)
 
-    def _start_ray(self) -> None:
+    def _launch_head(self) -> None:
+        """Start a local Ray head for this job, without waiting for it (none with --ray-address)."""
+        from async_rlhf import cluster
+
+        if self.ray_address:
+            return
+        learner, gen = self.cfg.learner, self.cfg.generator
+        needed = learner.ranks * learner.threads + gen.count * gen.threads
+        # room for `add-generators` on this machine too (the OS shares the cores)
+        self.cluster = cluster.launch_local_cluster(num_cpus=needed + (os.cpu_count() or 1))
+
+    def _connect_ray(self) -> None:
         import ray
 
         from async_rlhf import cluster
 
-        self.ray, self.cluster = ray, None
-        if not self.ray_address:
-            learner, gen = self.cfg.learner, self.cfg.generator
-            needed = learner.ranks * learner.threads + gen.count * gen.threads
-            # room for `add-generators` on this machine too (the OS shares the cores)
-            self.cluster = cluster.start_local_cluster(num_cpus=needed + (os.cpu_count() or 1))
         address = self.ray_address or self.cluster.address
         token_path = None if self.cluster is None else str(self.cluster.token_path)
-        try:
-            cluster.connect(address, namespace=self.cfg.job, token_path=token_path)
-        except BaseException:
-            if self.cluster is not None:
-                self.cluster.stop()
-            raise
+        cluster.connect(address, namespace=self.cfg.job, token_path=token_path)
+        self.ray = ray
         cluster.write_job_info(self.cfg.job, {
             "ray_address": address, "ray_token_path": token_path, "redis_url": self.redis_url,
             "out": str(self.out.resolve()), "namespace": self.cfg.job,
@@ -166,22 +184,32 @@ class Job:
         from async_rlhf import cluster
 
         cluster.remove_job_info(self.cfg.job)
-        self.ray.shutdown()
+        if self.ray is not None:
+            self.ray.shutdown()
         if self.cluster is not None:
             self.cluster.stop()
 
     def _start_actors(self) -> None:
+        """The coordinator, then the learner ranks and the generators at once, so that DeepSpeed
+        and vLLM start side by side; the gate starts at the version the learner resumes from."""
         from async_rlhf.roles import Coordinator
+        from learners.learner import checkpoint_version
 
         cfg = self.cfg
-        self.start_version = self._start_learners(self.resume)
+        self.start_version = checkpoint_version(self.out / "checkpoints") if self.resume else 0
         self.coordinator = self.ray.remote(Coordinator).options(name="coordinator").remote(
             cfg.max_staleness, cfg.learner.batch_size, self.start_version, self.carried)
+        self._start_learners(self.resume)
         for _ in range(cfg.generator.count):
             self._add_generator({})
+        version = self._learners_ready()
+        if version != self.start_version:
+            raise RuntimeError(f"the learner resumed at version {version}, but the checkpoint "
+                               f"directory's newest tag says {self.start_version}")
+        self._mark("learner")
 
-    def _start_learners(self, resume: bool) -> int:
-        """Start the learner ranks (from the newest checkpoint when `resume`); their version."""
+    def _start_learners(self, resume: bool) -> None:
+        """Start the learner ranks (from the newest checkpoint when `resume`)."""
         from async_rlhf.procs import free_port
         from async_rlhf.roles import LearnerWorker
 
@@ -192,8 +220,11 @@ class Job:
         master = ("127.0.0.1", free_port())
         self.learners = [worker.remote(cfg, rank, master, self.redis_url, resume)
                          for rank in range(cfg.learner.ranks)]
-        self.learner_pid = ray.get(self.learners[0].pid.remote())
-        return ray.get(self.learners[0].get_version.remote())
+
+    def _learners_ready(self) -> int:
+        """Wait for the learner ranks to be up; their version."""
+        self.learner_pid = self.ray.get(self.learners[0].pid.remote())
+        return self.ray.get(self.learners[0].get_version.remote())
 
     def _restart_learners(self, why: str) -> int:
         """A learner rank died: restart every rank from the newest checkpoint (ranks train in
@@ -209,7 +240,8 @@ class Job:
               f"{self.learner_restarts} of learner.max_restarts={budget})", file=sys.stderr)
         for learner in self.learners:
             ray.kill(learner)
-        version = self._start_learners(resume=True)
+        self._start_learners(resume=True)
+        version = self._learners_ready()
         self.sync_failures = 0  # the new broadcaster counts its own
         stats = self.queue.stats()
         carried = (stats.backlog + stats.pending) * self.cfg.generator.group_size
@@ -302,6 +334,7 @@ class Job:
         ray, cfg = self.ray, self.cfg
         self.tb = SummaryWriter(str(self.out / "tensorboard"))
         self._wait_for_generators(timeout_s=600)  # first engines up (model load, vLLM start)
+        self._mark("generators")
         metrics_file = (self.out / "metrics.jsonl").open("a")
         version = self.start_version
         self._new_epoch()
@@ -401,6 +434,10 @@ class Job:
 
     def _record(self, m: dict[str, Any], step_s: float, metrics_file) -> None:
         ray = self.ray
+        if "first_step" not in self.startup:
+            self._mark("first_step")
+            print("start-up, seconds since the command: " + ", ".join(
+                f"{phase} {t:.1f}" for phase, t in self.startup.items()), flush=True)
         self.last_metrics = m
         stats = self.queue.stats()
         self.left_in_queue = stats.backlog + stats.pending
@@ -466,6 +503,7 @@ class Job:
         summary["generators"] = list(self.gen_stats.values())
         summary["wall_s"] = time.time() - self.start_time
         summary["redis_restarts"] = self.redis_restarts
+        summary["startup"] = self.startup
         if self.error:
             summary["error"] = self.error
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 
@@ -29,3 +30,11 @@ def die_with_parent(cmd: list[str]) -> list[str]:
     parent-death signal, set in a tiny trampoline: preexec_fn is unsafe once threads exist).
     `cmd[0]` must be a path."""
     return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux /proc): how long a user has waited since the
+    command, imports included."""
+    start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+    return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")

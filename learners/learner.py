@@ -140,6 +140,13 @@ def _reward_by_version(batch: Batch) -> dict[int, list]:
     return out
 
 
+def checkpoint_version(ckpt_dir: str | os.PathLike) -> int:
+    """The policy version of the newest checkpoint in ckpt_dir (DeepSpeed's `latest` file holds
+    its tag, v<version>; see Learner.save_checkpoint), 0 if there is none."""
+    latest = Path(ckpt_dir) / "latest"
+    return int(latest.read_text().strip().removeprefix("v")) if latest.is_file() else 0
+
+
 class Learner:
     """One data-parallel rank of the learner (see module docstring for the split).
 
