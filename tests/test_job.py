@@ -264,6 +264,42 @@ def test_add_generators_on_this_machine_and_on_a_second_node(tmp_path, tiny_acto
     _check_accounting(summary)
 
 
+FLAKY_REWARD = """
+import math
+from actors.tasks import score
+
+calls = 0
+
+
+def flaky(prompts, responses):
+    # the task's reward, NaN for every 20th sample this process scores
+    global calls
+    out = []
+    for reward in score(prompts, responses):
+        calls += 1
+        out.append(math.nan if calls % 20 == 0 else reward)
+    return out
+"""
+
+
+def test_a_reward_that_fails_now_and_then_never_splits_a_group(tmp_path, tiny_actor_model):
+    (tmp_path / "flaky_reward.py").write_text(FLAKY_REWARD)
+    name = "flaky"
+    out = tmp_path / name
+    env = {**_env(tmp_path), "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    cmd = [sys.executable, "-m", "async_rlhf.cli", "train", "--job", name, "--out", str(out),
+           f"model.path={tiny_actor_model}", *TINY, "learner.steps=12", "max_staleness=1",
+           "rewards=[{kind: function, target: 'flaky_reward:flaky'}]"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(metrics) == 12
+    assert all(m["group_size_min"] == 2 and m["groups_singleton"] == 0 for m in metrics)
+    assert summary["set_aside"].get("set_aside:reward_nan", 0) > 0  # the failures did happen
+    _check_accounting(summary)
+
+
 def test_failed_start_ends_with_a_clear_error_and_a_summary(tmp_path, tiny_actor_model):
     name = "badreward"
     proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=2",
