@@ -78,6 +78,14 @@ def _steps_done(tmp_path: Path, name: str) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def _five_more_steps_then_stop(tmp_path: Path, name: str, proc: subprocess.Popen) -> tuple[list, dict]:
+    """The job goes on: five more learner steps, then `stop` and its metrics and summary."""
+    after = _steps_done(tmp_path, name)
+    _wait_for(proc, lambda: _steps_done(tmp_path, name) >= after + 5, 300, "five more steps")
+    _cli(tmp_path, "stop", "--job", name)
+    return _finish(tmp_path, name, proc)
+
+
 @contextlib.contextmanager
 def _interrupted_on_failure(proc: subprocess.Popen):
     """A test that fails midway still ends its job cleanly (Ctrl-C)."""
@@ -121,10 +129,7 @@ def test_killed_generator_loses_nothing_and_job_goes_on(tmp_path, tiny_actor_mod
         log = tmp_path / f"{name}.log"
         _wait_for(proc, lambda: f"generator {victim['generator_id']} lost" in log.read_text(), 120,
                   "the launcher to notice the dead generator")
-        after = _steps_done(tmp_path, name)
-        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= after + 5, 300, "five more steps")
-        _cli(tmp_path, "stop", "--job", name)
-        metrics, summary = _finish(tmp_path, name, proc)
+        metrics, summary = _five_more_steps_then_stop(tmp_path, name, proc)
     assert metrics[-1]["generators"] == 1
     _check_accounting(summary)
 
@@ -152,10 +157,7 @@ def test_killed_only_generator_is_replaced_and_the_job_goes_on(tmp_path, tiny_ac
         status = _wait_for(proc, replaced, 180, "a new generator in place of the killed one")
         assert status["generator_restarts"] == 1
         assert [g["generator_id"] for g in status["generators"]] == [victim["generator_id"]]
-        after = _steps_done(tmp_path, name)
-        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= after + 5, 300, "five more steps")
-        _cli(tmp_path, "stop", "--job", name)
-        metrics, summary = _finish(tmp_path, name, proc)
+        metrics, summary = _five_more_steps_then_stop(tmp_path, name, proc)
     assert metrics[-1]["generators"] == 1
     _check_accounting(summary)
     assert summary["foreign"] == 20 and summary["dead_lettered"] >= 20
@@ -212,10 +214,7 @@ def test_killed_redis_is_restarted_and_a_durable_stream_loses_nothing(tmp_path, 
         os.kill(_redis_server_pid(urlparse(record["redis_url"]).port), signal.SIGKILL)
         _wait_for(proc, lambda: "redis-server died; restarted it" in proc.log_path.read_text(), 60,
                   "the launcher to restart redis-server")
-        after = _steps_done(tmp_path, name)
-        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= after + 5, 300, "five more steps")
-        _cli(tmp_path, "stop", "--job", name)
-        metrics, summary = _finish(tmp_path, name, proc)
+        metrics, summary = _five_more_steps_then_stop(tmp_path, name, proc)
     assert summary["redis_restarts"] == 1
     _check_accounting(summary)
 
