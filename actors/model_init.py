@@ -1,8 +1,14 @@
 """`async-rlhf init-model`: a random-init Llama-style model and a tokenizer, built offline.
 
-No hub access exists here, so tests, the demo and the benchmarks build their own model. The
-tokenizer is character-level over the characters the built-in tasks use (actors.tasks): every
-character is one token, decoding concatenates them, and `<bos>` is prepended to every encoding.
+No hub access exists here, so tests, the demo and the benchmarks build their own model. Two
+tokenizers:
+  char  character-level over the characters the built-in tasks use (actors.tasks): every
+        character is one token, decoding concatenates them, and `<bos>` is prepended to every
+        encoding. No chat template.
+  bpe   byte-level BPE trained here (a few hundred merges) on text from the built-in tasks and
+        chat markup, as real instruct models' tokenizers are: tokens merge across word and
+        prompt/response boundaries, and decoding is not a plain join. It carries a ChatML chat
+        template; `<|im_end|>` ends an assistant turn and is the EOS the model stops at.
 
 Presets (parameter counts with this vocabulary; `test_actors_model_init` checks the ranges):
   tiny  ~0.9M  (hidden 128, 4 layers)  for tests and the demo
@@ -17,6 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+# ChatML, as Qwen and others write it, with <bos> first as Llama 3's template does.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+BPE_VOCAB_SIZE = 512
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3
 # Everything the built-in tasks write (digits, letters, space and a few marks), one token each.
 CHARACTERS = "0123456789abcdefghijklmnopqrstuvwxyz :=,.?!-+>"
@@ -58,6 +71,33 @@ def build_tokenizer():
     )
 
 
+def build_bpe_tokenizer(seed: int = 0):
+    """A byte-level BPE PreTrainedTokenizerFast trained offline (see the module docstring), with
+    <bos> prepended to plain encodings, <|im_end|> as EOS and the ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from actors.tasks import TASKS, examples
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    specials = [PAD, BOS, IM_END, IM_START, UNK]
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB_SIZE, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [f"{IM_START}user\n{text}{IM_END}\n{IM_START}assistant\n{answer} {answer}{IM_END}"
+              for task in sorted(TASKS) for text, answer in examples(task, seed, 500)]
+    core.train_from_iterator(corpus, trainer)
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, core.token_to_id(BOS))])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token=BOS, eos_token=IM_END, pad_token=PAD, unk_token=UNK,
+        additional_special_tokens=[IM_START], padding_side="left",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
 def build_model(preset: str, seed: int = 0, vocab_size: int | None = None):
     """A random-init LlamaForCausalLM (float32) for `preset`."""
     import torch
@@ -85,24 +125,29 @@ def build_model(preset: str, seed: int = 0, vocab_size: int | None = None):
     return LlamaForCausalLM(config).to(torch.float32).eval()
 
 
-def init_model(out: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
-    """Build model + tokenizer into `out` (overwriting); returns the directory."""
+def init_model(out: str | Path, preset: str = "tiny", seed: int = 0, tokenizer: str = "char") -> Path:
+    """Build model + tokenizer (char or bpe) into `out` (overwriting); returns the directory."""
+    if tokenizer not in ("char", "bpe"):
+        raise ValueError(f"unknown tokenizer {tokenizer!r}: choose char or bpe")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    model = build_model(preset, seed, vocab_size=len(tokenizer))
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    tok = build_tokenizer() if tokenizer == "char" else build_bpe_tokenizer(seed)
+    model = build_model(preset, seed, vocab_size=len(tok))
+    for config in (model.config, model.generation_config):
+        config.pad_token_id, config.bos_token_id = tok.pad_token_id, tok.bos_token_id
+        config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (out / "async_rlhf_model.json").write_text(json.dumps({"preset": preset, "seed": seed}) + "\n")
+    tok.save_pretrained(out)
+    (out / "async_rlhf_model.json").write_text(
+        json.dumps({"preset": preset, "seed": seed, "tokenizer": tokenizer}) + "\n")
     return out
 
 
-def ensure_model(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+def ensure_model(path: str | Path, preset: str = "tiny", seed: int = 0, tokenizer: str = "char") -> Path:
     """Return `path`, building the model there first if it holds no model yet."""
     path = Path(path)
     if not (path / "config.json").is_file():
-        init_model(path, preset, seed)
+        init_model(path, preset, seed, tokenizer)
     return path
 
 
@@ -117,9 +162,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--out", required=True, help="directory to write the model and tokenizer to")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", choices=["char", "bpe"], default="char")
 
 
 def run(args: argparse.Namespace) -> int:
-    out = init_model(args.out, args.preset, args.seed)
+    out = init_model(args.out, args.preset, args.seed, args.tokenizer)
     print(f"{args.preset} model: {count_parameters(out) / 1e6:.2f}M parameters -> {out}")
     return 0

@@ -10,6 +10,17 @@ shuffled deterministically from (seed, epoch), so two runs with the same seed se
   - otherwise every *.jsonl file in it (sorted by name), one JSON object per line.
 Records need `data.prompt_key`; `data.answer_key` is optional ("" when absent).
 
+A record's prompt is a string or a conversation: a list of {"role", "content"} messages, e.g.
+
+    {"prompt": [{"role": "system", "content": "Answer with digits."},
+                {"role": "user", "content": "copy 3142="}], "answer": "3142"}
+
+Conversations are rendered with the tokenizer's chat template (or `data.chat_template`'s Jinja
+file) and add_generation_prompt, as TRL does; `data.system_prompt` puts a system message first;
+`data.chat_template: on` renders plain strings too, as one user message. The rendered text and
+its token ids (tokenized without adding special tokens: the template writes them) are what the
+model sees, the trajectory carries and the learner trains on; rewards also get the messages.
+
 Prompts longer than `max_tokens` (the generator passes the model's context minus
 generator.max_new_tokens) are skipped with a warning that says how many and the fix; when none
 is left, that is an error. The records themselves stay where they are.
@@ -77,8 +88,11 @@ def read_dataset_dir(path: str | Path) -> list[dict[str, Any]]:
     return [row for f in files for row in read_jsonl(f)]
 
 
-def load_records(data: DataConfig, seed: int = 0) -> list[tuple[str, str]]:
-    """The (prompt text, answer) records `data` names."""
+Record = tuple[str | list[dict[str, str]], str]  # (prompt text or conversation, answer)
+
+
+def load_records(data: DataConfig, seed: int = 0) -> list[Record]:
+    """The (prompt, answer) records `data` names."""
     if data.source == "task":
         from actors.tasks import examples
 
@@ -93,30 +107,66 @@ def load_records(data: DataConfig, seed: int = 0) -> list[tuple[str, str]]:
                 f"record {i} of {data.path} has no {data.prompt_key!r} field (data.prompt_key); "
                 f"its fields: {', '.join(map(str, row))}"
             )
-        records.append((str(row[data.prompt_key]), str(row.get(data.answer_key, ""))))
+        prompt = row[data.prompt_key]
+        if isinstance(prompt, list):
+            _check_messages(prompt, f"record {i} of {data.path}")
+        records.append((prompt if isinstance(prompt, list) else str(prompt),
+                        str(row.get(data.answer_key, ""))))
     return records
+
+
+def _check_messages(messages: list, where: str) -> None:
+    for j, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"{where}: message {j} must be a {{'role': str, 'content': str}} map, "
+                             f"got {m!r}")
+
+
+class ChatRenderer:
+    """A record's prompt -> (text, token ids, messages) as the model sees it (see the module
+    docstring). `chat_template`: auto, on, off or a Jinja file's path (data.chat_template)."""
+
+    def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: str = ""):
+        self.tokenizer, self.mode, self.system_prompt = tokenizer, chat_template, system_prompt
+        self.template = (tokenizer.chat_template if chat_template in ("auto", "on", "off")
+                         else Path(chat_template).read_text())
+
+    def __call__(self, prompt: str | list[dict[str, str]], where: str):
+        conversation = isinstance(prompt, list)
+        if self.mode == "off" or not (conversation or self.system_prompt or self.mode != "auto"):
+            if conversation:
+                raise ValueError(f"{where} is a conversation but data.chat_template=off: set it to "
+                                 "auto (the tokenizer's template) or a Jinja file")
+            return prompt, tuple(self.tokenizer(prompt)["input_ids"]), ()
+        messages = list(prompt) if conversation else [{"role": "user", "content": prompt}]
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        if not self.template:
+            raise ValueError(f"{where} is to be rendered as a chat, but the tokenizer has no chat "
+                             "template: set data.chat_template=<a Jinja file>")
+        text = self.tokenizer.apply_chat_template(messages, chat_template=self.template,
+                                                  tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text, tuple(ids), tuple(messages)
 
 
 class PromptStream:
     """Endless, deterministically shuffled prompts over a fixed record list."""
 
     def __init__(
-        self, records: Sequence[tuple[str, str]], tokenizer, *, seed: int = 0, stream: int = 0,
-        name: str = "prompts", max_tokens: int | None = None,
+        self, records: Sequence[Record], tokenizer, *, seed: int = 0, stream: int = 0,
+        name: str = "prompts", max_tokens: int | None = None, render: ChatRenderer | None = None,
     ):
         """`stream` varies the order only (give each generator its own), `seed` the order too;
-        prompts over `max_tokens` tokens are skipped (see the module docstring)."""
+        prompts over `max_tokens` tokens are skipped (see the module docstring); `render` turns
+        a record's prompt into what the model sees (default: the tokenizer's, auto)."""
         if not records:
             raise ValueError("a prompt stream needs at least one record")
-        prompts = [
-            Prompt(
-                prompt_id=f"{name}:{i}",
-                token_ids=tuple(tokenizer(text)["input_ids"]),
-                text=text,
-                answer=answer,
-            )
-            for i, (text, answer) in enumerate(records)
-        ]
+        render = render or ChatRenderer(tokenizer)
+        prompts = []
+        for i, (prompt, answer) in enumerate(records):
+            text, ids, messages = render(prompt, f"prompt {name}:{i}")
+            prompts.append(Prompt(f"{name}:{i}", ids, text, answer, messages))
         self.prompts = [p for p in prompts if max_tokens is None or len(p.token_ids) <= max_tokens]
         if len(self.prompts) < len(prompts):
             longest = max(len(p.token_ids) for p in prompts)
@@ -171,4 +221,5 @@ def make_prompt_stream(data: DataConfig, tokenizer, seed: int = 0, stream: int =
     """The prompts `data` names; generators share `seed` (same records) and differ in `stream`."""
     name = data.task if data.source == "task" else Path(data.path).stem
     return PromptStream(load_records(data, seed), tokenizer, seed=seed, stream=stream, name=name,
-                        max_tokens=max_tokens)
+                        max_tokens=max_tokens,
+                        render=ChatRenderer(tokenizer, data.chat_template, data.system_prompt))

@@ -104,7 +104,7 @@ def examples(task: str, seed: int, count: int) -> list[tuple[str, str]]:
 
 
 def score_one(prompt: Prompt, response: str) -> float:
-    task = TASKS.get(prompt.text.split(" ", 1)[0])
+    task = TASKS.get(prompt.query.split(" ", 1)[0])
     if task is not None:
         return task.reward(response, prompt.answer)
     if not prompt.answer:

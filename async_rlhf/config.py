@@ -84,6 +84,7 @@ class ModelConfig(_Section):
     _prefix = "model."
     path: str = "runs/models/tiny"  # HF model directory; built by `async-rlhf init-model` if absent
     preset: Literal["tiny", "small"] = "tiny"  # what init-model builds when `path` does not exist
+    tokenizer: Literal["char", "bpe"] = "char"  # ...and with which tokenizer (actors/model_init.py)
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
@@ -93,12 +94,21 @@ class DataConfig(_Section):
     source: Literal["task", "jsonl", "hf_dataset"] = "task"
     task: str = "count"  # built-in task name when source == "task"
     path: str = ""  # JSONL file or dataset directory for the other sources
-    prompt_key: str = "prompt"
+    prompt_key: str = "prompt"  # holds a string, or a list of {"role", "content"} messages
     answer_key: str = "answer"
+    system_prompt: str = ""  # a system message put first in every conversation
+    # auto: conversations (message lists) are rendered with the tokenizer's chat template, plain
+    # strings go in as they are; on: every prompt is rendered (a string as one user message);
+    # off: none is; or the path of a Jinja template file to render every prompt with.
+    chat_template: str = "auto"
 
     def _validate(self) -> None:
         if self.source != "task":
             _check(bool(self.path), "data.path", self.path, f"set when data.source={self.source}")
+        _check(self.chat_template in ("auto", "on", "off") or Path(self.chat_template).is_file(),
+               "data.chat_template", self.chat_template, "auto, on, off or an existing Jinja file")
+        _check(not (self.system_prompt and self.chat_template == "off"), "data.system_prompt",
+               self.system_prompt, "empty with data.chat_template=off (it is a chat message)")
 
 
 @dataclass(frozen=True)

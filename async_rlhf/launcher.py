@@ -123,7 +123,7 @@ class Job:
         cfg = self.cfg
         self._launch_head()
         stack.callback(self._shutdown_ray)
-        ensure_model(cfg.model.path, cfg.model.preset, seed=cfg.seed)
+        ensure_model(cfg.model.path, cfg.model.preset, seed=cfg.seed, tokenizer=cfg.model.tokenizer)
         self._mark("model")
         if cfg.queue.redis_url:
             self.redis_url = cfg.queue.redis_url

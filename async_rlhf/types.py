@@ -28,12 +28,23 @@ class TrajectoryError(ValueError):
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt to generate for, with whatever its reward needs to score a response."""
+    """One prompt to generate for, with whatever its reward needs to score a response.
+
+    `text` and `token_ids` are what the model sees (for a conversation: rendered with the chat
+    template); `messages` is the conversation as the record gave it ({"role", "content"} maps,
+    () for a plain-text prompt), for rewards that want it."""
 
     prompt_id: str
     token_ids: tuple[int, ...]
     text: str = ""
     answer: str = ""  # reference answer for verifiable rewards ("" when there is none)
+    messages: tuple[dict[str, str], ...] = ()
+
+    @property
+    def query(self) -> str:
+        """The user's words: the last user message of a conversation, else the text."""
+        users = [m["content"] for m in self.messages if m["role"] == "user"]
+        return users[-1] if users else self.text
 
 
 @dataclass(frozen=True)

@@ -66,4 +66,13 @@ def tiny_actor_model(tmp_path_factory):
     return init_model(tmp_path_factory.mktemp("actor-model") / "tiny", preset="tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def bpe_actor_model(tmp_path_factory):
+    """The tiny preset with the byte-level BPE tokenizer and its ChatML chat template."""
+    from actors.model_init import init_model
+
+    return init_model(tmp_path_factory.mktemp("actor-model") / "tiny-bpe", preset="tiny", seed=0,
+                      tokenizer="bpe")
+
+
 # ---- end of Actor fixtures

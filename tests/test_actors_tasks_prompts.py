@@ -5,9 +5,9 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from actors.prompts import PromptStream, load_records, make_prompt_stream, read_dataset_dir
+from actors.prompts import ChatRenderer, PromptStream, load_records, make_prompt_stream, read_dataset_dir
 from actors.tasks import COUNT_TARGET, TASKS, examples, positional_match, score
-from async_rlhf.config import DataConfig
+from async_rlhf.config import ConfigError, DataConfig
 from async_rlhf.types import Prompt
 
 
@@ -137,3 +137,54 @@ def test_save_to_disk_directory(tmp_path, tok):
 def test_echo_reward():
     p = _prompt("echo 7=", "7")
     assert score([p] * 3, ["", "7a7", "7" * 9]) == [0.0, 0.25, 1.0]
+
+
+@pytest.fixture(scope="module")
+def bpe(bpe_actor_model):
+    return AutoTokenizer.from_pretrained(bpe_actor_model)
+
+
+CONVERSATION = [{"role": "system", "content": "Answer with a's."}, {"role": "user", "content": "count a: 48="}]
+
+
+def test_conversations_render_with_the_chat_template_and_rewards_see_the_messages(tmp_path, bpe):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": CONVERSATION, "answer": "aaaaaaaa"}) + "\n"
+                    + json.dumps({"prompt": "count a: 7=", "answer": "aaaaaaaa"}) + "\n")
+    stream = make_prompt_stream(DataConfig(source="jsonl", path=str(path)), bpe, seed=0)
+    chat, plain = sorted(stream.prompts, key=lambda p: p.prompt_id)
+    assert chat.text == ("<bos><|im_start|>system\nAnswer with a's.<|im_end|>\n<|im_start|>user\n"
+                         "count a: 48=<|im_end|>\n<|im_start|>assistant\n")
+    assert chat.token_ids == tuple(bpe(chat.text, add_special_tokens=False)["input_ids"])
+    assert bpe.convert_ids_to_tokens(chat.token_ids[:2]) == ["<bos>", "<|im_start|>"]
+    assert chat.messages == tuple(CONVERSATION) and chat.query == "count a: 48="
+    assert plain.text == "count a: 7=" and plain.messages == ()  # auto: plain strings stay plain
+    assert plain.token_ids == tuple(bpe("count a: 7=")["input_ids"])
+    assert score([chat, plain], ["aaaa", "aaaaaaaa"]) == [0.5, 1.0]  # by the user's words
+
+
+def test_system_prompt_and_forced_template_and_a_jinja_file(tmp_path, bpe, tok):
+    data = DataConfig(task="count", system_prompt="Be brief.", chat_template="on")
+    prompt = make_prompt_stream(data, bpe, seed=0).take(1)[0]
+    assert prompt.text.startswith("<bos><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\ncount a: ")
+    assert [m["role"] for m in prompt.messages] == ["system", "user"]
+    jinja = tmp_path / "plain.jinja"
+    jinja.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}=> ")
+    prompt = make_prompt_stream(DataConfig(task="count", chat_template=str(jinja)), tok, seed=0).take(1)[0]
+    assert prompt.text.startswith("[user] count a: ") and prompt.text.endswith(" => ")
+    # a tokenizer without a template cannot render a conversation: the error names the fix
+    with pytest.raises(ValueError, match="no chat template: set data.chat_template"):
+        PromptStream([(CONVERSATION, "")], tok)
+    with pytest.raises(ValueError, match="data.chat_template=off"):
+        PromptStream([(CONVERSATION, "")], bpe, render=ChatRenderer(bpe, "off"))
+
+
+def test_malformed_conversations_and_settings_are_refused(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"record 0 of .*: message 0 must be a \{'role': str"):
+        load_records(DataConfig(source="jsonl", path=str(path)))
+    with pytest.raises(ConfigError, match="data.chat_template must be auto, on, off or an existing Jinja file"):
+        DataConfig(chat_template="nope.jinja")
+    with pytest.raises(ConfigError, match="data.system_prompt must be empty with data.chat_template=off"):
+        DataConfig(system_prompt="x", chat_template="off")
