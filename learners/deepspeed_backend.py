@@ -70,6 +70,16 @@ def _attn_implementation(device: str, want_flash: bool, dtype: torch.dtype) -> s
     return "sdpa"
 
 
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether training mode adds dropout: an nn.Dropout with p > 0, or a config rate > 0 (Llama
+    and kin apply attention dropout functionally, from config.attention_dropout)."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    rates = config.to_dict().items() if config is not None else ()
+    return any(("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0 for k, v in rates)
+
+
 class ValueModel(nn.Module):
     """Critic: a transformer backbone and a linear value head, one value per position.
 

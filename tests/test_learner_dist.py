@@ -196,7 +196,7 @@ def _skip_then_train(learner, groups, out: Path) -> None:
     import collections
 
     from async_rlhf.types import Received
-    from learners.learner import Batch
+    from learners.batch import Batch
 
     def weights():  # every rank holds full weights under ZeRO 0-2
         return {k: v.clone() for k, v in learner.backend.engine.module.named_parameters()}

@@ -20,7 +20,8 @@ from buffer.redis_stream import RedisExperienceQueue
 from buffer.replay import StalenessReplay
 from learners.advantages import grpo_advantages
 from learners.deepspeed_backend import DeepSpeedBackend
-from learners.learner import Batch, Learner
+from learners.batch import Batch
+from learners.learner import Learner
 from learners.losses import policy_loss
 from learners.memory import random_groups
 
@@ -231,7 +232,7 @@ def test_pi_prox_from_the_training_forward_gives_the_recomputed_update(make_lear
 
 
 def test_dropout_keeps_the_separate_pi_prox_pass():
-    from learners.learner import has_dropout
+    from learners.deepspeed_backend import has_dropout
     from learners.memory import build_llama
 
     model = build_llama("tiny", seed=0)

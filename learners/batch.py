@@ -1,0 +1,90 @@
+"""One global learner batch as tensors: whole groups flattened to rows, identical on every rank."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from async_rlhf.types import Received
+
+_INT_KEYS = ("input_ids", "attention_mask", "positions", "versions", "groups")
+_FLOAT_KEYS = ("mask", "behavior_logp", "rewards")
+
+
+@dataclass
+class Batch:
+    """One global batch as tensors, identical on every rank. B rows, L = longest prompt +
+    response, T = longest response."""
+
+    input_ids: torch.Tensor  # int64 [B, L], right-padded with 0
+    attention_mask: torch.Tensor  # int64 [B, L]
+    positions: torch.Tensor  # int64 [B, T], index of the logit predicting response token t
+    versions: torch.Tensor  # int64 [B], policy_version that generated each row
+    groups: torch.Tensor  # int64 [B], group index (same prompt -> same index)
+    mask: torch.Tensor  # float32 [B, T]
+    behavior_logp: torch.Tensor  # float32 [B, T]
+    rewards: torch.Tensor  # float32 [B]
+
+    @classmethod
+    def from_received(cls, items: Sequence[Received]) -> Batch:
+        """The received groups' members as rows, group after group; `groups` = item index."""
+        trajs = [t for r in items for t in r.group.members]
+        B = len(trajs)
+        L = max(t.num_tokens for t in trajs)
+        T = max(len(t.response_ids) for t in trajs)
+        out = cls(
+            input_ids=torch.zeros(B, L, dtype=torch.long),
+            attention_mask=torch.zeros(B, L, dtype=torch.long),
+            positions=torch.zeros(B, T, dtype=torch.long),
+            versions=torch.tensor([t.policy_version for t in trajs], dtype=torch.long),
+            groups=torch.tensor([g for g, r in enumerate(items) for _ in r.group.members], dtype=torch.long),
+            mask=torch.zeros(B, T),
+            behavior_logp=torch.zeros(B, T),
+            rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+        )
+        for i, t in enumerate(trajs):
+            P, R = len(t.prompt_ids), len(t.response_ids)  # P >= 1: checked by Learner._admit
+            ids = np.concatenate([t.prompt_ids, t.response_ids]).astype(np.int64)
+            out.input_ids[i, : P + R] = torch.from_numpy(ids)
+            out.attention_mask[i, : P + R] = 1
+            out.positions[i] = (P - 1 + torch.arange(T)).clamp(max=L - 2)
+            out.mask[i, :R] = 1.0
+            out.behavior_logp[i, :R] = torch.from_numpy(t.behavior_logprobs.astype("float32"))
+        return out
+
+    def rows(self, index: torch.Tensor) -> Batch:
+        return Batch(**{k: getattr(self, k)[index] for k in _INT_KEYS + _FLOAT_KEYS})
+
+    def to(self, device: str) -> Batch:
+        return Batch(**{k: getattr(self, k).to(device) for k in _INT_KEYS + _FLOAT_KEYS})
+
+    @staticmethod
+    def broadcast(batch: Batch | None, device: str) -> Batch:
+        """Rank 0's batch on every rank (call on all ranks; others pass None)."""
+        shape = torch.zeros(3, dtype=torch.long, device=device)
+        if dist.get_rank() == 0:
+            shape[:] = torch.tensor([*batch.input_ids.shape, batch.mask.shape[1]])
+        dist.broadcast(shape, 0)
+        B, L, T = shape.tolist()
+        dims = {"input_ids": (B, L), "attention_mask": (B, L), "positions": (B, T), "versions": (B,),
+                "groups": (B,), "mask": (B, T), "behavior_logp": (B, T), "rewards": (B,)}
+        out = {}
+        for k, dim in dims.items():
+            dtype = torch.long if k in _INT_KEYS else torch.float32
+            t = getattr(batch, k).to(device) if dist.get_rank() == 0 else torch.empty(dim, dtype=dtype, device=device)
+            dist.broadcast(t, 0)
+            out[k] = t
+        return Batch(**out)
+
+    def reward_by_version(self) -> dict[int, list]:
+        """{generating policy version: [samples, mean reward]}: the reward each policy earned,
+        which a staleness-lagged batch mean blurs across versions."""
+        out = {}
+        for v in self.versions.unique().tolist():
+            rewards = self.rewards[self.versions == v]
+            out[v] = [len(rewards), float(rewards.mean())]
+        return out
