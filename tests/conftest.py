@@ -23,6 +23,18 @@ def pytest_unconfigure(config):
     shutil.rmtree(_HOME, ignore_errors=True)
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests run where CUDA is, and are skipped (with the reason) elsewhere."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none here)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 # ---- Redis fixtures (buffer/ owners): one real redis-server for the session, a fresh stream
 # name per test. Others: add your fixtures below this block.
 import uuid

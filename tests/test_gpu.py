@@ -1,0 +1,65 @@
+"""The GPU paths, chosen by device with the same code shape as the CPU ones: NCCL weight
+broadcast and flash-attention 2 in the learner. Marked `gpu`: skipped on a machine without CUDA
+(tests/conftest.py), run as they are where one is lent."""
+
+import math
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from async_rlhf.config import LearnerConfig
+from async_rlhf.weight_sync import WeightBroadcaster, WeightReceiver
+
+pytestmark = pytest.mark.gpu
+
+
+def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(version)
+    return [("embed.weight", torch.randn(37, 11, generator=g)),
+            ("norm.weight", torch.randn(7, generator=g).to(torch.bfloat16))]
+
+
+def _summary(named_tensors) -> list[tuple]:
+    return [(n, t.dtype, tuple(t.shape), round(t.float().sum().item(), 3)) for n, t in named_tensors]
+
+
+def _member_on_gpu_1(addresses, results):
+    torch.cuda.set_device(1)  # NCCL wants one GPU per member
+    receiver = WeightReceiver(addresses.get(timeout=60), 1, timeout_s=60)
+    update = receiver.receive()
+    results.put((update.version, str(update.named_tensors[0][1].device), _summary(update.named_tensors)))
+
+
+def test_nccl_broadcast_reaches_a_member_on_another_gpu():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"NCCL needs a GPU per member: {torch.cuda.device_count()} here")
+    ctx = mp.get_context("spawn")
+    addresses, results = ctx.Queue(), ctx.Queue()
+    member = ctx.Process(target=_member_on_gpu_1, args=(addresses, results), daemon=True)
+    member.start()
+    sender = WeightBroadcaster(timeout_s=60)
+    assert sender.backend == "nccl"  # chosen by device
+    sender.publish(_weights(4), version=4)  # kept until the group forms
+    addresses.put(sender.open_epoch(world_size=2))
+    version, device, got = results.get(timeout=120)
+    assert (version, device) == (4, "cuda:1") and got == _summary(_weights(4))
+    sender.close()
+    member.join(30)
+
+
+def test_bf16_learner_uses_flash_attention_and_trains(tiny_actor_model):
+    pytest.importorskip("flash_attn")
+    from learners.deepspeed_backend import DeepSpeedBackend
+
+    backend = DeepSpeedBackend(LearnerConfig(batch_size=4, micro_batch=4, lr=1e-3),
+                               str(tiny_actor_model), dtype="bfloat16")
+    assert backend.device.startswith("cuda")
+    assert backend.engine.module.config._attn_implementation == "flash_attention_2"
+    ids = torch.randint(4, 50, (4, 12), device=backend.device)
+    positions = torch.arange(5, 11, device=backend.device).expand(4, -1)
+    before = [p.detach().clone() for p in backend.engine.module.parameters()]
+    logp, _ = backend.logprobs(ids, torch.ones_like(ids), positions)
+    backend.backward(-logp.float().mean())
+    assert math.isfinite(backend.step())
+    assert any(not torch.equal(a, b) for a, b in zip(before, backend.engine.module.parameters()))
