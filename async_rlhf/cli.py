@@ -33,12 +33,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Callable[[
     runners = {}
     for name, (module_name, help_text, suffix) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:
-                raise
-            continue  # not built yet: the subcommand says so when run
+        module = importlib.import_module(module_name)
         infix = f"_{suffix}" if suffix else ""
         getattr(module, f"add{infix}_arguments")(p)
         runners[name] = getattr(module, f"run{infix}")
@@ -48,8 +43,6 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Callable[[
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    if args.command not in runners:
-        parser.exit(2, f"async-rlhf {args.command}: not available yet in this version\n")
     return args, runners[args.command]
 
 
