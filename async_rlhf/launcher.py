@@ -371,6 +371,7 @@ class Job:
         self.last_tick = time.monotonic()
         if self.redis is not None and not self.redis.running:
             self._restart_redis()
+        self._return_slots()  # also within a step: it may wait for the slots these free
         members = set(self.generators)
         for request in ray.get(self.coordinator.take_requests.remote()):
             self._place(request["id"], request["resources"])
@@ -399,6 +400,16 @@ class Job:
             self.sync_failures = failures  # a group that did not form or broke: form a new one
             self._new_epoch()
         ray.get(self.coordinator.set_snapshot.remote(self._snapshot()))
+
+    def _return_slots(self) -> None:
+        """Groups gone untrained since the last call (stale, malformed, dead-lettered) give
+        their gate slots back."""
+        stats = self.queue.stats()
+        self.left_in_queue = stats.backlog + stats.pending
+        gone = not_trained(stats.counters)
+        if gone > self.forgotten:
+            self.ray.get(self.coordinator.forget.remote((gone - self.forgotten) * self.cfg.generator.group_size))
+            self.forgotten = gone
 
     def _restart_redis(self) -> None:
         """The embedded redis-server died: start it again on its port and data directory. The
@@ -439,12 +450,7 @@ class Job:
             print("start-up, seconds since the command: " + ", ".join(
                 f"{phase} {t:.1f}" for phase, t in self.startup.items()), flush=True)
         self.last_metrics = m
-        stats = self.queue.stats()
-        self.left_in_queue = stats.backlog + stats.pending
-        gone = not_trained(stats.counters)  # groups: stale, malformed, dead-lettered
-        if gone > self.forgotten:  # they give their gate slots back
-            ray.get(self.coordinator.forget.remote((gone - self.forgotten) * self.cfg.generator.group_size))
-            self.forgotten = gone
+        self._return_slots()
         if m["samples_fresh"] < m["samples"]:  # re-used samples push the fresh ones back
             ray.get(self.coordinator.step_trained.remote(m["samples_fresh"]))
         elapsed = time.time() - self.start_time
