@@ -3,11 +3,15 @@
     model (built if absent) -> Redis (embedded unless queue.redis_url) -> Ray (local unless
     --ray-address) -> coordinator, learner ranks, generators -> weight-sync epoch -> steps
 
-The driver loop calls one learner step at a time and, while it runs, watches the generators
-(a dead one is released from the gate and leaves the next membership epoch), takes requests from
-other drivers (`add-generators`, `stop`) and publishes a status snapshot. Every step writes a
-line to OUT/metrics.jsonl and TensorBoard; the end writes OUT/summary.json with the accounting
-of every trajectory.
+Start-up runs its parts side by side (the Ray head while the model and Redis get ready; the
+learner ranks and the generators together) and prints where the time went. The driver loop
+calls one learner step at a time and, while it runs, watches the job each second: a dead
+generator is released from the gate and replaced (generator.max_restarts), a dead learner rank
+restarts every rank from the newest checkpoint (learner.max_restarts), a dead embedded
+redis-server is restarted; slots of groups gone untrained go back to the gate; requests from
+other drivers (`add-generators`, `stop`) are taken; a status snapshot is published. Every step
+writes a line to OUT/metrics.jsonl and TensorBoard; the end writes OUT/summary.json with the
+accounting of every group.
 """
 
 from __future__ import annotations
