@@ -100,6 +100,8 @@ def run_generators(args: argparse.Namespace) -> int:
     if args.count <= 0:
         print(f"--count must be > 0, got {args.count}", file=sys.stderr)
         return 2
+    from async_rlhf.roles import SETTLED
+
     _, coordinator = _coordinator(args.job)
     ids = ray.get(coordinator.request_generators.remote(args.count, args.resources))
     print(f"job {args.job}: {args.count} generator(s) requested; they join the next membership "
@@ -107,8 +109,7 @@ def run_generators(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.wait_s  # the launcher places requests within a second
     while True:
         states = ray.get(coordinator.placement.remote(ids))
-        settled = all(s.startswith(("ready", "refused", "failed")) for s in states.values())
-        if settled or time.monotonic() > deadline:
+        if all(s.startswith(SETTLED) for s in states.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     for i, state in states.items():

@@ -156,8 +156,12 @@ class Job:
                 f"{redact_url(self.redis_url)} already holds {produced} groups from an "
                 "earlier run: pass --resume to continue it, or set queue.stream=<new name> "
                 "(or use a fresh --out with the embedded Redis)")
-        self.carried = (stats.backlog + stats.pending) * self.cfg.generator.group_size
+        self.carried = self._samples_in(stats)
         self.forgotten = not_trained(stats.counters)
+
+    def _samples_in(self, stats) -> int:
+        """Samples in the stream (backlog and pending): whole groups of generator.group_size."""
+        return (stats.backlog + stats.pending) * self.cfg.generator.group_size
 
     def _launch_head(self) -> None:
         """Start a local Ray head for this job, without waiting for it (none with --ray-address)."""
@@ -248,8 +252,7 @@ class Job:
         version = self._learners_ready()
         self.sync_failures = 0  # the new broadcaster counts its own
         stats = self.queue.stats()
-        carried = (stats.backlog + stats.pending) * self.cfg.generator.group_size
-        ray.get(self.coordinator.rebase.remote(version, carried))
+        ray.get(self.coordinator.rebase.remote(version, self._samples_in(stats)))
         self.forgotten = not_trained(stats.counters)
         self._new_epoch()
         print(f"learner restarted at version {version}", file=sys.stderr)

@@ -27,6 +27,9 @@ from async_rlhf.weight_sync import SyncAddress, WeightBroadcaster, WeightReceive
 log = logging.getLogger(__name__)
 
 
+SETTLED = ("ready", "refused", "failed")  # what an add-generators request ends as
+
+
 class Coordinator:
     """Shared state of one job.
 
@@ -102,7 +105,7 @@ class Coordinator:
     def get_snapshot(self) -> dict[str, Any]:
         return {**self.snapshot, "gate": {"accepted": self.gate.accepted, "running": self.gate.running},
                 "requests": {i: state for i, state in self.placements.items()
-                             if not state.startswith(("ready", "refused", "failed"))}}
+                             if not state.startswith(SETTLED)}}
 
 
 class _CoordinatorGate:
