@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -177,13 +178,17 @@ def test_killed_learner_restarts_from_its_checkpoint_and_the_job_finishes(tmp_pa
         _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 6, 300, "a checkpoint at step 5")
         os.kill(pid, signal.SIGKILL)
         metrics, summary = _finish(tmp_path, name, proc)
+    log = proc.log_path.read_text()
+    assert "restart 1 of learner.max_restarts=3" in log
+    # versions go on from the newest checkpoint, a multiple of 5: steps after it that the dead
+    # learner had already recorded are trained again (none when it died just after checkpointing)
+    version = int(re.search(r"learner restarted at version (\d+)", log).group(1))
+    assert version >= 5 and version % 5 == 0
     steps = [m["step"] for m in metrics]
-    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-    # versions go on from the newest checkpoint: a multiple of 5, not after the last step seen
-    assert (steps[restart] - 1) % 5 == 0 and steps[restart] <= steps[restart - 1]
+    restart = len(steps) - 1 - steps[::-1].index(version + 1)
+    assert restart >= version
     assert steps[:restart] == list(range(1, restart + 1))
-    assert steps[restart:] == list(range(steps[restart], 151))
-    assert "restart 1 of learner.max_restarts=3" in proc.log_path.read_text()
+    assert steps[restart:] == list(range(version + 1, 151))
     _check_accounting(summary)
     counters = summary["counters"]
     assert counters.get("ack_lost", 0) == 0  # no group trained by two incarnations
