@@ -72,6 +72,29 @@ def _measure(args: argparse.Namespace) -> dict:
             "weight_update_s": _time_weight_update(engine, args.model), "runs": runs}
 
 
+def continuous_rate(engine, prompts: list, n: int, inflight: int, groups: int) -> dict:
+    """The engine alone, kept at `inflight` sequences by continuous batching (groups of n
+    submitted as sequences finish, prompts cycled) until `groups` groups have finished: their
+    response tokens per second, and the mean sequences in flight. The engine is never left to
+    drain: what is still in it at the end is aborted."""
+    submitted = done = tokens = 0
+    sequence_s = 0.0
+    start = time.perf_counter()
+    while done < groups:
+        while engine.num_sequences + n <= inflight:
+            engine.submit(f"c{submitted}", prompts[submitted % len(prompts)], n)
+            submitted += 1
+        sequences, step_start = engine.num_sequences, time.perf_counter()
+        finished = engine.step()
+        sequence_s += sequences * (time.perf_counter() - step_start)
+        done += len(finished)
+        tokens += sum(len(s.response_ids) for _, group in finished for s in group)
+    wall = time.perf_counter() - start
+    engine.abort([f"c{i}" for i in range(submitted)])
+    return {"tokens_per_s": tokens / wall, "samples_per_s": done * n / wall, "tokens": tokens,
+            "wall_s": wall, "mean_inflight": sequence_s / wall, "inflight": inflight}
+
+
 def _time_weight_update(engine, model_path: str) -> float:
     """Seconds for one update_weights of the full model (tensors already in memory)."""
     from safetensors.torch import load_file

@@ -1,23 +1,39 @@
-"""The generator loop: admission -> prompts -> generate -> score -> experience queue.
+"""The generator: admission -> prompts -> engine (continuous batching) -> score -> experience queue.
 
-A plain class (the launcher makes it a Ray actor). One batch, `step()`:
+A plain class (the launcher makes it a Ray actor). `run()` works in two threads:
 
-  1. ask the admission gate (AdmissionGate: the staleness bound, keyed by the launcher on this
-     engine's policy_version) for prompts_per_batch x group_size samples; while it refuses, poll
-     (new weights have to arrive first) and count the wait as idle time;
-  2. take the next prompts and generate group_size samples each, recording the policy version the
-     engine generates with;
-  3. score every response and make each prompt's samples one Group. A group reaches the
-     stream whole or not at all (GRPO and RLOO baselines assume all n samples): if any member's
-     reward failed (raised, timed out, NaN, bad output) or the group fails Group.validate(), the
-     whole group is set aside: counted once under the first failure's reason, logged, and sent
-     to the queue's dead-letter stream with its prompt and responses, and the loop goes on;
-  4. put the rest on the queue, one entry per group (this blocks while the backlog is over its
-     bound: backpressure), then tell the gate how many of the admitted samples were accepted.
+- The engine loop keeps up to max_inflight sequences in the engine. Between two engine steps
+  it (1) lets a waiting weight update load, at the safe point below; (2) fills free slots: for
+  each group_size free it asks the admission gate (AdmissionGate: the staleness bound, keyed by
+  the launcher on this engine's policy_version) for one group and submits the next prompt;
+  (3) runs one engine step and hands every group that finished to the scorer. With nothing in
+  the engine and nothing admitted it waits (idle time) for the learner to advance.
+  schedule=lockstep instead admits a whole batch (max_inflight sequences, one gate call) into
+  an empty engine and the next batch only once its longest sequence has ended: the old
+  generator, kept for comparison.
+- The scorer thread scores each finished group while the engine goes on, and makes it one
+  Group. A group reaches the stream whole or not at all (GRPO and RLOO baselines assume all n
+  samples): if any member's reward failed (raised, timed out, NaN, bad output) or the group
+  fails Group.validate(), it is set aside: counted once under the first failure's reason,
+  logged, and sent to the queue's dead-letter stream with its prompt and responses. The others
+  go on the queue, one entry per group, as soon as scored (this blocks while the backlog is
+  over its bound: backpressure), except that a group admitted with version v waits for every
+  group admitted with an older version: the gate's bound assumes groups reach the learner in
+  the order of their admission versions (async_rlhf/staleness.py), and with responses of
+  varying length a short new group would otherwise overtake a long old one, which the learner
+  then drops as too stale. Either way the gate learns how many admitted samples made it.
 
-`apply_weights` is the weight-sync hook: it waits for the batch in flight to end (the safe point)
-and loads the new weights before the next batch starts, so every trajectory's policy_version is
-the version of the weights that sampled all of its tokens.
+Weight updates (`apply_weights`, from another thread) load at the engine loop's safe point:
+with weight_updates=inflight between any two steps, the sequences in flight going on with the
+new weights (the engine keeps their KV cache: see actors/engines/vllm_engine.py); with
+between_groups once the engine is empty, admission paused while an update waits, so one
+version samples every token of a group. Each trajectory records which version sampled which
+tokens (version_spans) and its policy_version is the oldest of them: the staleness the gate
+bounds and the learner checks is the oldest token's, which an in-flight update only makes newer.
+
+Prompt positions: each put records how many prompts this generator has taken. A generator that
+restarts under its id continues from the last recorded position: the groups that were in its
+engine when it died are skipped, never generated twice.
 """
 
 from __future__ import annotations
@@ -28,7 +44,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass, field
+from queue import SimpleQueue
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -43,7 +61,20 @@ from actors.rewards import Scored, Scorer
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class _Flight:
+    """A group in the engine; its key is also its group id."""
+
+    key: str
+    prompt: Prompt
+    version: int  # the weights' version when the gate admitted it
+    started: float = field(default_factory=time.perf_counter)
+
+
 class Generator:
+    """Counters are written by one thread each (engine loop: steps, idle; scorer: scoring and
+    puts; the caller of apply_weights: updates), so they need no lock."""
+
     def __init__(
         self,
         engine: GenerationEngine,
@@ -53,147 +84,270 @@ class Generator:
         gate: AdmissionGate,
         *,
         generator_id: str = "gen-0",
-        prompts_per_batch: int = 8,
         group_size: int = 4,
+        max_inflight: int = 64,
+        schedule: Literal["stream", "lockstep"] = "stream",
+        weight_updates: Literal["inflight", "between_groups"] = "inflight",
         poll_s: float = 0.05,
     ):
-        self.engine = engine
-        self.prompts = prompts
-        self.scorer = scorer
-        self.queue = queue
-        self.gate = gate
+        if max_inflight < group_size:
+            raise ValueError(f"max_inflight ({max_inflight}) must be >= group_size ({group_size})")
+        self.engine, self.prompts, self.scorer, self.queue, self.gate = engine, prompts, scorer, queue, gate
         self.generator_id = generator_id
-        self.prompts_per_batch = prompts_per_batch
-        self.group_size = group_size
+        self.group_size, self.max_inflight = group_size, max_inflight
+        self.schedule, self.weight_updates = schedule, weight_updates
         self.poll_s = poll_s
         # a generator that restarts (replaced, or its job resumed) continues its prompt stream
         # where the groups it put in the stream end
         self.prompt_start = queue.prompt_positions().get(generator_id, 0)
         prompts.seek(self.prompt_start)
-        self._engine_lock = threading.Lock()  # held while generating: weights change only between batches
+        self._taken = self.prompt_start  # prompts taken (the loop writes it, the scorer reads it)
+        self._inflight: dict[str, _Flight] = {}  # engine loop only (and apply_weights while parked)
+        self._scoring: SimpleQueue[tuple[_Flight, list[Sample], float] | None] = SimpleQueue()
+        self._held: list[tuple[_Flight, Group]] = []  # scored, waiting for older groups (scorer only)
+        self._open: Counter[int] = Counter()  # admission version -> groups not yet put or set aside
+        self._open_lock = threading.Lock()
+        self._error: Exception | None = None  # the scorer's, raised by run()
+        self._engine_lock = threading.Lock()  # a step, an abort and a weight load never overlap
+        self._gate_lock = threading.Lock()  # both threads call the gate
+        self._updates = threading.Condition()  # the safe-point handshake with apply_weights
+        self._updates_waiting = 0
+        self._parked = False  # the engine loop waits at its safe point for updates to load
+        self._looping = False
         self._counts: Counter[str] = Counter()
         self._seconds: Counter[str] = Counter()
         self._set_aside: Counter[str] = Counter()
         self._last_reward = float("nan")
 
-    @property
-    def batch_samples(self) -> int:
-        return self.prompts_per_batch * self.group_size
-
+    # -- weights ---------------------------------------------------------------------------
     def apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load new weights at the next safe point (blocks while a batch is being generated)."""
+        """Load new weights at the engine loop's next safe point (at once when no loop runs);
+        returns when they are loaded."""
         start = time.perf_counter()
-        with self._engine_lock:
-            loaded = time.perf_counter()
-            self.engine.update_weights(named_tensors, version)
-            self._seconds["weight_update"] += time.perf_counter() - loaded
-        self._seconds["weight_wait"] += loaded - start  # for the batch in flight to end
+        with self._updates:
+            self._updates_waiting += 1
+            self._updates.notify_all()  # an idle loop comes to its safe point at once
+            self._updates.wait_for(lambda: self._parked or not self._looping)
+        try:
+            with self._engine_lock:
+                loaded = time.perf_counter()
+                self.engine.update_weights(named_tensors, version)
+                self._seconds["weight_update"] += time.perf_counter() - loaded
+            self._counts["inflight_updates"] += bool(self._inflight)  # sequences went on with it
+        finally:
+            with self._updates:
+                self._updates_waiting -= 1
+                self._updates.notify_all()
+        self._seconds["weight_wait"] += loaded - start  # for the safe point
         self._counts["weight_updates"] += 1
 
-    def run(self, stop: threading.Event, max_batches: int | None = None) -> dict[str, Any]:
-        """Generate batches until `stop` is set or max_batches are done; returns stats()."""
-        done = 0
-        while not stop.is_set() and (max_batches is None or done < max_batches):
-            if self.step(stop) is not None:
-                done += 1
+    def _safe_point(self) -> None:
+        """Between two steps: park while waiting updates load (with between_groups only once
+        the engine is empty; until then `_admit` admits nothing, so it empties)."""
+        with self._updates:
+            if not self._updates_waiting or (self.weight_updates == "between_groups" and self._inflight):
+                return
+            self._parked = True
+            self._updates.notify_all()
+            self._updates.wait_for(lambda: not self._updates_waiting)
+            self._parked = False
+
+    # -- the engine loop -------------------------------------------------------------------
+    def run(self, stop: threading.Event, max_groups: int | None = None) -> dict[str, Any]:
+        """Generate until `stop` is set (or max_groups groups have been admitted and are done);
+        returns stats(). At a stop, groups still in the engine are aborted and their
+        admissions given back; those already finished are scored and put first."""
+        scorer = threading.Thread(target=self._score_loop, name=f"{self.generator_id}-score", daemon=True)
+        scorer.start()
+        with self._updates:
+            self._looping = True
+        admitted, start = 0, time.perf_counter()
+        try:
+            while not stop.is_set() and self._error is None:
+                self._safe_point()
+                admitted += self._admit(None if max_groups is None else max_groups - admitted)
+                if self._inflight:
+                    self._step()
+                elif max_groups is not None and admitted >= max_groups:
+                    break
+                else:
+                    self._idle(stop)
+        finally:
+            with self._updates:
+                self._looping = False
+                self._updates.notify_all()
+            self._abort_inflight()
+            self._scoring.put(None)
+            scorer.join()
+            self._seconds["run"] += time.perf_counter() - start
+        if self._error is not None:
+            raise self._error
         return self.stats()
 
-    def step(self, stop: threading.Event | None = None) -> int | None:
-        """One batch; returns the number of samples put on the queue, all in whole groups
-        (None: stopped while waiting for admission)."""
-        if not self._admit(stop):
-            return None
-        n = self.batch_samples
-        accepted = 0
-        try:
-            prompts = [next(self.prompts) for _ in range(self.prompts_per_batch)]
-            with self._engine_lock:
-                version = self.engine.policy_version
-                start = time.perf_counter()
-                samples = self.engine.generate(prompts, self.group_size)
-                gen_s = time.perf_counter() - start
-            groups = self._score(prompts, samples, version, gen_s)
-            start = time.perf_counter()
-            self.queue.put(groups, prompt_position=self.prompts.position)
-            self._seconds["put"] += time.perf_counter() - start
-            accepted = sum(g.size for g in groups)
-        finally:
-            self.gate.finish(n, accepted)  # also when something raised: free the admitted slots
-        self._seconds["generate"] += gen_s
-        self._counts["batches"] += 1
-        self._counts["produced"] += accepted
-        self._counts["groups"] += len(groups)
-        self._counts["tokens"] += sum(len(t.response_ids) for g in groups for t in g.members)
-        return accepted
+    def _admit(self, most: int | None) -> int:
+        """Submit as many groups (at most `most`) as there are free slots and the gate admits;
+        returns how many."""
+        n = self.group_size
+        if self._updates_waiting and self.weight_updates == "between_groups":
+            return 0  # the engine empties first
+        if self.schedule == "lockstep" and self._inflight:
+            return 0  # the batch's longest sequence has not ended
+        free = (self.max_inflight - self.engine.num_sequences) // n
+        free = free if most is None else min(free, most)
+        if free <= 0:
+            return 0
+        with self._gate_lock:
+            if self.schedule == "lockstep":
+                groups = free if self.gate.try_admit(free * n) else 0
+            else:
+                groups = 0
+                while groups < free and self.gate.try_admit(n):
+                    groups += 1
+        version = self.engine.policy_version  # what the gate admitted them for
+        with self._open_lock:
+            self._open[version] += groups
+        for _ in range(groups):
+            prompt = next(self.prompts)
+            flight = _Flight(f"{self.generator_id}/{self._taken}/{prompt.prompt_id}", prompt, version)
+            self._taken += 1
+            self.engine.submit(flight.key, prompt, n)
+            self._inflight[flight.key] = flight
+        return groups
 
-    def _admit(self, stop: threading.Event | None) -> bool:
-        """Wait until the gate admits a batch (counted as idle time as it passes); False: stopped."""
-        while not self.gate.try_admit(self.batch_samples):
+    def _step(self) -> None:
+        sequences = self.engine.num_sequences
+        with self._engine_lock:
             start = time.perf_counter()
-            stopped = stop.wait(self.poll_s) if stop is not None else time.sleep(self.poll_s)
-            self._seconds["idle"] += time.perf_counter() - start
-            if stopped:
-                return False
-        return True
+            finished = self.engine.step()
+            elapsed = time.perf_counter() - start
+        self._seconds["generate"] += elapsed
+        self._seconds["sequences"] += sequences * elapsed  # sequence-seconds: mean in flight
+        self._counts["steps"] += 1
+        now = time.perf_counter()
+        for key, samples in finished:
+            flight = self._inflight.pop(key)
+            self._scoring.put((flight, samples, now - flight.started))
 
-    def _score(
-        self, prompts: list[Prompt], samples: list[list[Sample]], version: int, gen_s: float
-    ) -> list[Group]:
-        """One Group per prompt whose samples all scored and validate; every other prompt's
-        samples are set aside together, under the first failed reward's reason, else under
-        invalid_<the group's validation reason>."""
-        flat = [(p, s) for p, group in zip(prompts, samples) for s in group]
+    def _idle(self, stop: threading.Event) -> None:
+        """Nothing in the engine, nothing admitted: wait a poll (a weight update, which is what
+        a refusing gate waits for, ends the wait at once)."""
         start = time.perf_counter()
-        scored = self.scorer.score([p for p, _ in flat], [s.text for _, s in flat])
-        self._seconds["score"] += time.perf_counter() - start
-        batch = self._counts["batches"]
-        kept: list[Group] = []
-        hi = 0
-        for gi, (prompt, group_samples) in enumerate(zip(prompts, samples)):
-            lo, hi = hi, hi + len(group_samples)
-            results = scored[lo:hi]
-            failure = next((r.failure for r in results if r.failure is not None), None)
-            if failure is None:
-                group_id = f"{self.generator_id}/{batch}/{gi}/{prompt.prompt_id}"
-                group = Group(tuple(self._trajectory(prompt, s, r, version, group_id, gen_s)
-                                    for s, r in zip(group_samples, results)))
-                try:
-                    group.validate()
-                    kept.append(group)
-                    continue
-                except TrajectoryError as e:
-                    failure = (f"invalid_{e.reason}", e.detail)
-            self._set_aside_group(prompt, group_samples, version, *failure)
-        if kept:
-            self._last_reward = float(np.mean([t.reward for g in kept for t in g.members]))
-        return kept
+        with self._updates:
+            self._updates.wait_for(lambda: self._updates_waiting or stop.is_set(), self.poll_s)
+        self._seconds["idle"] += time.perf_counter() - start
 
-    def _trajectory(
-        self, prompt: Prompt, sample: Sample, result: Scored, version: int, group_id: str, gen_s: float
-    ) -> Trajectory:
+    def _abort_inflight(self) -> None:
+        if not self._inflight:
+            return
+        with self._engine_lock:
+            self.engine.abort(list(self._inflight))
+        with self._gate_lock:
+            self.gate.finish(self.group_size * len(self._inflight), 0)
+        with self._open_lock:
+            self._open.subtract(f.version for f in self._inflight.values())
+        self._counts["aborted"] += len(self._inflight)
+        self._inflight.clear()
+
+    # -- the scorer thread -----------------------------------------------------------------
+    def _score_loop(self) -> None:
+        while (item := self._scoring.get()) is not None:
+            self._guarded(self._score, *item)
+        self._guarded(self._release)  # nothing is in flight any more: the held groups all go
+
+    def _guarded(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - run() raises it in the engine loop's thread
+            self._error = self._error or e
+
+    def _score(self, flight: _Flight, samples: list[Sample], gen_s: float) -> None:
+        """Score one finished group: set it aside, or hold it for `_release`."""
+        if self._error is not None:  # after a failed put the rest only give their slots back
+            self._resolved(flight, 0)
+            return
+        start = time.perf_counter()
+        scored = self.scorer.score([flight.prompt] * len(samples), [s.text for s in samples])
+        self._seconds["score"] += time.perf_counter() - start
+        group = self._group(flight, samples, scored, gen_s)
+        if isinstance(group, Group):
+            self._held.append((flight, group))
+            self._release()
+        else:
+            self._set_aside_group(flight.prompt, samples, *group)
+            self._resolved(flight, 0)
+
+    def _release(self) -> None:
+        """Put the held groups whose admission version no open group's is older than."""
+        self._held.sort(key=lambda held: held[0].version)
+        while self._held:
+            flight, group = self._held[0]
+            with self._open_lock:
+                if flight.version > min(v for v, n in self._open.items() if n > 0):
+                    return
+            del self._held[0]
+            accepted = 0
+            try:
+                if self._error is None:
+                    self._put(group)
+                    accepted = group.size
+            finally:
+                self._resolved(flight, accepted)
+
+    def _resolved(self, flight: _Flight, accepted: int) -> None:
+        """The group is put (`accepted` samples) or set aside (0): its gate slots are done."""
+        with self._open_lock:
+            self._open[flight.version] -= 1
+        with self._gate_lock:
+            self.gate.finish(self.group_size, accepted)
+
+    def _put(self, group: Group) -> None:
+        start = time.perf_counter()
+        self.queue.put([group], prompt_position=self._taken)
+        self._seconds["put"] += time.perf_counter() - start
+        self._counts["produced"] += group.size
+        self._counts["groups"] += 1
+        self._counts["tokens"] += sum(len(t.response_ids) for t in group.members)
+        self._last_reward = float(np.mean([t.reward for t in group.members]))
+
+    def _group(
+        self, flight: _Flight, samples: list[Sample], scored: list[Scored], gen_s: float
+    ) -> Group | tuple[str, str]:
+        """The group, or (reason, detail) to set it aside under: the first failed reward's,
+        else invalid_<the group's validation reason>."""
+        failure = next((r.failure for r in scored if r.failure is not None), None)
+        if failure is not None:
+            return failure
+        group = Group(tuple(self._trajectory(flight, s, r, gen_s) for s, r in zip(samples, scored)))
+        try:
+            group.validate()
+        except TrajectoryError as e:
+            return f"invalid_{e.reason}", e.detail
+        return group
+
+    def _trajectory(self, flight: _Flight, sample: Sample, result: Scored, gen_s: float) -> Trajectory:
         return Trajectory(
-            prompt_ids=np.asarray(prompt.token_ids, dtype=np.int32),
+            prompt_ids=np.asarray(flight.prompt.token_ids, dtype=np.int32),
             response_ids=sample.response_ids,
             behavior_logprobs=sample.behavior_logprobs,
             reward=result.reward,
             reward_parts=result.parts,
-            policy_version=version,
+            policy_version=sample.policy_version,
             generator_id=self.generator_id,
-            group_id=group_id,
+            group_id=flight.key,
             finished=sample.finished,
             generation_s=gen_s,
+            version_spans=sample.version_spans,
         )
 
-    def _set_aside_group(
-        self, prompt: Prompt, samples: list[Sample], version: int, reason: str, detail: str
-    ) -> None:
+    def _set_aside_group(self, prompt: Prompt, samples: list[Sample], reason: str, detail: str) -> None:
         self._set_aside[reason] += 1
         if self._set_aside[reason] in (1, 10, 100) or self._set_aside[reason] % 1000 == 0:
             log.warning("%s: group of %d samples set aside (%s, %d groups so far): %s", self.generator_id,
                         len(samples), reason, self._set_aside[reason], detail)
         payload = json.dumps({
             "generator_id": self.generator_id, "prompt_id": prompt.prompt_id, "prompt": prompt.text,
-            "responses": [s.text for s in samples], "policy_version": version,
+            "responses": [s.text for s in samples],
+            "policy_version": min(s.policy_version for s in samples),
         }).encode()
         try:
             self.queue.dead_letter(reason, detail, payload)
@@ -204,27 +358,36 @@ class Generator:
     def stats(self) -> dict[str, Any]:
         """Counters and seconds since start (plain types, for logs and Ray). `produced` and
         `tokens` count samples put on the queue, `groups` the groups they came in (one stream
-        entry each); `set_aside` counts groups set aside, by reason."""
+        entry each); `set_aside` counts groups set aside, by reason. Engine loop time is
+        generate_s (steps) + idle_s (nothing to run) + weight_update_s; score_s and put_s
+        overlap it (the scorer thread). mean_inflight: sequences in the engine, averaged over
+        the steps' time; inflight_updates: weight updates that sequences in flight went on with."""
         gen_s = self._seconds["generate"]
         return {
             "generator_id": self.generator_id,
             "policy_version": self.engine.policy_version,
-            "batches": self._counts["batches"],
+            "schedule": self.schedule,
+            "update_mode": self.weight_updates,
             "prompt_start": self.prompt_start,
-            "prompt_position": self.prompts.position,
+            "prompt_position": self._taken,
             "produced": self._counts["produced"],
             "groups": self._counts["groups"],
             "tokens": self._counts["tokens"],
+            "steps": self._counts["steps"],
+            "aborted": self._counts["aborted"],
             "set_aside": dict(self._set_aside),
             "set_aside_total": sum(self._set_aside.values()),
             "dead_letter_errors": self._counts["dead_letter_errors"],
             "weight_updates": self._counts["weight_updates"],
+            "inflight_updates": self._counts["inflight_updates"],
+            "run_s": self._seconds["run"],
             "generate_s": gen_s,
             "score_s": self._seconds["score"],
             "put_s": self._seconds["put"],
             "idle_s": self._seconds["idle"],
             "weight_update_s": self._seconds["weight_update"],  # loading only
             "weight_wait_s": self._seconds["weight_wait"],  # waiting for the safe point
+            "mean_inflight": self._seconds["sequences"] / gen_s if gen_s else 0.0,
             "tokens_per_s": self._counts["tokens"] / gen_s if gen_s else 0.0,
             "last_mean_reward": self._last_reward,
         }
@@ -258,6 +421,8 @@ def make_generator(
         queue,
         gate,
         generator_id=f"gen-{index}",
-        prompts_per_batch=g.prompts_per_batch,
         group_size=g.group_size,
+        max_inflight=g.max_inflight,
+        schedule=g.schedule,
+        weight_updates=g.weight_updates,
     )

@@ -17,6 +17,11 @@ default reward `actors.tasks:score` needs nothing but the prompt and the respons
            found at their position + 0.2 if the response has the answer's length (1.0 iff equal);
            partial credit guides learning, which needs a few hundred steps.
   reverse  as copy, with the digits reversed ("reverse 3142=" -> "2413"); harder.
+  length   response lengths that vary widely, for streaming generation. "length 37=" -> any
+           response of 37 characters (tokens, with the character tokenizer) then EOS; reward =
+           max(0, 1 - |length - 37| / 37). The ideal length is drawn from 4..64, so give it
+           generator.max_new_tokens >= 65 (configs/bench-length.yaml). A random-init model
+           rarely samples EOS, so it starts near the cap and learns where to stop.
 
 Prompts with other first words (a JSONL data set, say) are scored by exact match with their
 answer, stripped of surrounding spaces; a prompt with no answer cannot be scored and raises, which
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 from async_rlhf.types import Prompt
 
 COUNT_TARGET = 8  # 'a's that earn the full count reward
+LENGTH_RANGE = (4, 64)  # ideal response lengths of the length task
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,11 @@ def positional_match(response: str, answer: str) -> float:
     return 0.8 * matched + 0.2 * (len(response) == len(answer))
 
 
+def _length_reward(response: str, answer: str) -> float:
+    target = int(answer)
+    return max(0.0, 1.0 - abs(len(response) - target) / target)
+
+
 def _make_count(rng: random.Random) -> tuple[str, str]:
     return f"count a: {_digits(rng)}=", "a" * COUNT_TARGET
 
@@ -82,11 +93,17 @@ def _make_reverse(rng: random.Random) -> tuple[str, str]:
     return f"reverse {digits}=", digits[::-1]
 
 
+def _make_length(rng: random.Random) -> tuple[str, str]:
+    target = str(rng.randint(LENGTH_RANGE[0], LENGTH_RANGE[1]))
+    return f"length {target}=", target
+
+
 TASKS: dict[str, Task] = {
     "count": Task("count", _make_count, _count_reward),
     "echo": Task("echo", _make_echo, _echo_reward),
     "copy": Task("copy", _make_copy, positional_match),
     "reverse": Task("reverse", _make_reverse, positional_match),
+    "length": Task("length", _make_length, _length_reward),
 }
 
 

@@ -6,22 +6,32 @@ are not counted. Rates come from the job's metrics.jsonl: the timed window runs 
 step W to the end of the last step.
 
     bounds     generation alone: one generator (the real loop: engine, scoring, Redis put)
-               with the learner absent, generator.threads threads; training alone: the real
-               Learner on DeepSpeed with learner.threads threads, fed those trajectories from
-               a Redis stream (cycled, each batch stamped with the version that trains it).
-               Each in a fresh process, one after the other; the rest of the machine idle.
-               Measured before and after the settings; each stage's bound is the faster of
-               its two measurements (neighbours on a shared machine only slow a stage down).
+               with the learner absent, generator.threads threads; the engine alone: the same
+               engine kept at generator.max_inflight sequences by continuous batching, no
+               scoring, no queue (what the generator's tokens/s is measured against);
+               training alone: the real Learner on DeepSpeed with learner.threads threads, fed
+               those trajectories from a Redis stream (cycled, each batch stamped with the
+               version that trains it). Each in a fresh process, one after the other; the rest
+               of the machine idle. Measured before and after the settings; each stage's bound
+               is the faster of its two measurements (neighbours on a shared machine only slow
+               a stage down).
     dedicated  a job with max_staleness=k and g generators: the learner rank and each
                generator are separate processes (Ray actors) on learner.threads and
                generator.threads threads: each stage its own core(s). k = 0 is synchronous.
+    modes      with --modes, each dedicated setting runs once per generator mode: inflight
+               (groups stream, weights load between engine steps), between_groups (groups
+               stream, a new version waits for an empty engine), lockstep (the old generator:
+               whole batches of max_inflight sequences, updates between batches).
     colocated  a synchronous (k = 0) job whose learner and one generator each get every core
                (threads = cpu count). At k = 0 they take turns: one phase runs with all cores
                while the other waits (blocked on the gate or on the stream, not spinning), as a
                single-process trainer would, plus the weight broadcast between processes.
 
 Reported per setting: trained samples/s and response tokens/s, generated tokens/s, generator
-idle fraction (idle / (idle + generate + score + put + weight load), over the window), learner
+idle fraction (of its engine loop's time, idle / (idle + engine steps + weight loads), over the
+window; scoring and puts overlap it in their own thread), mean sequences in its engine and
+in-flight weight updates (whole job), mean staleness (per sample: the oldest token's; and per
+token), learner
 idle fraction (time waiting for a batch / window), weight-sync share of the step, staleness
 histogram, reward at the end (batch mean over the last quarter of steps), the policy curve (the
 mean reward of the samples each policy version generated, against the samples trained to make
@@ -39,11 +49,14 @@ import os
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
-GEN_TOTALS = ("generate_s", "score_s", "put_s", "idle_s", "weight_update_s")
+from async_rlhf.bench_report import plot, summarise, verdicts, write_markdown
+
+# generator.schedule and generator.weight_updates of each --modes name
+MODES = {"inflight": ("stream", "inflight"), "between_groups": ("stream", "between_groups"),
+         "lockstep": ("lockstep", "between_groups")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="learner steps per setting not timed")
     parser.add_argument("--bound-steps", type=int, default=4, help="timed learner steps of the training bound")
     parser.add_argument("--no-colocated", action="store_true", help="skip the colocated synchronous run")
-    parser.add_argument("--worker", choices=["gen", "train"], help=argparse.SUPPRESS)  # internal
+    parser.add_argument("--modes", default="", help="generator modes to compare, a comma list of "
+                        f"{', '.join(MODES)} (default: the config's)")
+    parser.add_argument("--worker", choices=["gen", "engine", "train"], help=argparse.SUPPRESS)  # internal
     parser.add_argument("--redis-url", help=argparse.SUPPRESS)  # internal: the bounds' stream
     parser.add_argument("overrides", nargs="*", default=[], help="key=value config overrides")
 
@@ -85,8 +100,9 @@ class _OpenGate:
         pass
 
 
-def _bound_gen(cfg, redis_url: str, batches: int) -> dict[str, Any]:
-    """The generator loop alone, one warm-up batch then `batches` timed, into stream bound-gen."""
+def _bound_gen(cfg, redis_url: str, groups: int) -> dict[str, Any]:
+    """The generator loop alone into stream bound-gen: warm up for an engine's worth of groups,
+    then time `groups` more (the engine never drains: the loop runs on, stopped after)."""
     import threading
 
     from actors.generator import make_generator
@@ -94,16 +110,42 @@ def _bound_gen(cfg, redis_url: str, batches: int) -> dict[str, Any]:
 
     queue = RedisExperienceQueue.from_config(cfg.queue, redis_url, consumer="bound-gen")
     gen = make_generator(cfg, queue, _OpenGate())
-    gen.step()  # warm-up
-    before = gen.stats()
-    start = time.perf_counter()
-    gen.run(threading.Event(), max_batches=batches)
-    wall = time.perf_counter() - start
-    after = gen.stats()
-    samples, tokens = after["produced"] - before["produced"], after["tokens"] - before["tokens"]
+    stop = threading.Event()
+    runner = threading.Thread(target=gen.run, args=(stop,), daemon=True)
+    runner.start()
+
+    def after(target: int) -> tuple[dict[str, Any], float]:
+        while (stats := gen.stats())["groups"] < target and runner.is_alive():
+            time.sleep(0.02)
+        return stats, time.perf_counter()
+
+    before, start = after(cfg.generator.max_inflight // cfg.generator.group_size)
+    end, stop_time = after(before["groups"] + groups)
+    stop.set()
+    runner.join()
+    if end["groups"] < before["groups"] + groups:
+        raise RuntimeError("generation bound: the generator loop ended early (see the log)")
+    wall = stop_time - start
+    samples, tokens = end["produced"] - before["produced"], end["tokens"] - before["tokens"]
     return {"samples_per_s": samples / wall, "tokens_per_s": tokens / wall, "wall_s": wall,
-            "samples": samples, "threads": cfg.generator.threads,
-            "generate_share": (after["generate_s"] - before["generate_s"]) / wall}
+            "samples": samples, "threads": cfg.generator.threads, "mean_inflight": end["mean_inflight"],
+            "generate_share": (end["generate_s"] - before["generate_s"]) / wall}
+
+
+def _bound_engine(cfg, groups: int) -> dict[str, Any]:
+    """The engine alone at generator.max_inflight sequences, on the config's prompts."""
+    from transformers import AutoTokenizer
+
+    from actors.bench import continuous_rate
+    from actors.engines import make_engine
+    from actors.prompts import make_prompt_stream
+
+    g = cfg.generator
+    prompts = make_prompt_stream(cfg.data, AutoTokenizer.from_pretrained(cfg.model.path), seed=cfg.seed)
+    engine = make_engine(g, cfg.model.path, seed=cfg.seed)
+    batch = prompts.take(groups)
+    continuous_rate(engine, batch, g.group_size, g.max_inflight, g.max_inflight // g.group_size)  # warm-up
+    return {**continuous_rate(engine, batch, g.group_size, g.max_inflight, groups), "threads": g.threads}
 
 
 def _bound_train(cfg, redis_url: str, warmup: int, steps: int) -> dict[str, Any]:
@@ -151,9 +193,12 @@ def _worker(args: argparse.Namespace) -> int:
     from async_rlhf.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    # two learner batches or four engines' worth of groups, whichever is more
+    groups = max(2 * cfg.learner.batch_size, 4 * cfg.generator.max_inflight) // cfg.generator.group_size
     if args.worker == "gen":
-        batches = max(4, 2 * cfg.learner.batch_size // cfg.samples_per_generation)
-        result = _bound_gen(cfg, args.redis_url, batches)
+        result = _bound_gen(cfg, args.redis_url, groups)
+    elif args.worker == "engine":
+        result = _bound_engine(cfg, groups)
     else:
         result = _bound_train(cfg, args.redis_url, args.warmup, args.bound_steps)
     print("BENCH-RESULT " + json.dumps(result))
@@ -192,7 +237,7 @@ def measure_bounds(args: argparse.Namespace, out: Path, when: str) -> dict[str, 
     where = out / "bounds" / when
     where.mkdir(parents=True, exist_ok=True)
     with EmbeddedRedis(where / "redis") as redis:
-        for stage in ("gen", "train"):
+        for stage in ("gen", "engine", "train"):
             load = _load()
             log_path = where / f"{stage}.log"
             code = _spawn([*base, "--worker", stage, "--redis-url", redis.url], log_path, 900)
@@ -201,8 +246,9 @@ def measure_bounds(args: argparse.Namespace, out: Path, when: str) -> dict[str, 
                 raise RuntimeError(f"{stage} bound failed (exit {code}); see {log_path}")
             result = json.loads(lines[-1][len("BENCH-RESULT "):])
             bounds[stage] = {**result, "load_before": load, "when": when}
-            print(f"bound {stage} ({when} the settings): {bounds[stage]['samples_per_s']:.2f} samples/s "
-                  f"({bounds[stage]['threads']} thread(s), load {load})", flush=True)
+            print(f"bound {stage} ({when} the settings): {bounds[stage]['samples_per_s']:.2f} samples/s, "
+                  f"{bounds[stage]['tokens_per_s']:.0f} tokens/s ({bounds[stage]['threads']} thread(s), "
+                  f"load {load})", flush=True)
     return bounds
 
 
@@ -210,8 +256,10 @@ def best_bounds(measured: list[dict[str, Any]]) -> dict[str, Any]:
     """Each stage's faster measurement: on a shared machine a neighbour only ever slows a stage
     down, so the faster one is nearer the stage's real limit (and the stricter bound)."""
     bounds: dict[str, Any] = {stage: max((m[stage] for m in measured), key=lambda b: b["samples_per_s"])
-                              for stage in ("gen", "train")}
+                              for stage in ("gen", "engine", "train")}
     bounds["min_samples_per_s"] = min(bounds["gen"]["samples_per_s"], bounds["train"]["samples_per_s"])
+    # the generator's tokens/s against its engine's alone at the same sequences in flight
+    bounds["gen_tokens_of_engine"] = bounds["gen"]["tokens_per_s"] / bounds["engine"]["tokens_per_s"]
     bounds["measurements"] = measured
     return bounds
 
@@ -222,12 +270,18 @@ def settings(args: argparse.Namespace, cfg) -> list[dict[str, Any]]:
     out = []
     if not args.no_colocated:
         out.append({"name": "colocated-k0-g1", "placement": "colocated", "max_staleness": 0,
-                    "generators": 1, "generator_threads": cpus, "learner_threads": cpus})
-    for g in _ints(args.generators, "generators"):
-        for k in _ints(args.staleness, "staleness"):
-            out.append({"name": f"dedicated-k{k}-g{g}", "placement": "dedicated", "max_staleness": k,
-                        "generators": g, "generator_threads": cfg.generator.threads,
-                        "learner_threads": cfg.learner.threads})
+                    "generators": 1, "generator_threads": cpus, "learner_threads": cpus, "mode": ""})
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise SystemExit(f"--modes lists {unknown[0]!r}: choose from {', '.join(MODES)}")
+    for mode in modes or [""]:
+        for g in _ints(args.generators, "generators"):
+            for k in _ints(args.staleness, "staleness"):
+                out.append({"name": f"dedicated-k{k}-g{g}" + (f"-{mode}" if mode else ""),
+                            "placement": "dedicated", "max_staleness": k, "generators": g,
+                            "generator_threads": cfg.generator.threads,
+                            "learner_threads": cfg.learner.threads, "mode": mode})
     for s in out:
         s["allocation"] = (f"{s['generators']} generator process(es) x {s['generator_threads']} thread(s) "
                            f"+ 1 learner process x {s['learner_threads']} thread(s) on {cpus} cores")
@@ -240,6 +294,9 @@ def run_setting(args: argparse.Namespace, s: dict[str, Any], out: Path, steps: i
             f"job=bench-{s['name']}", f"out={run_dir}", f"max_staleness={s['max_staleness']}",
             f"generator.count={s['generators']}", f"generator.threads={s['generator_threads']}",
             f"learner.threads={s['learner_threads']}", f"learner.steps={args.warmup + steps}"]
+    if s["mode"]:
+        schedule, updates = MODES[s["mode"]]
+        argv += [f"generator.schedule={schedule}", f"generator.weight_updates={updates}"]
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("metrics.jsonl", "summary.json"):  # a rerun into the same OUT starts afresh
         (run_dir / stale).unlink(missing_ok=True)
@@ -252,169 +309,6 @@ def run_setting(args: argparse.Namespace, s: dict[str, Any], out: Path, steps: i
         raise RuntimeError(f"setting {s['name']} failed (exit {code}); "
                            f"see {out / 'runs' / (s['name'] + '.log')}")
     return run_dir
-
-
-def summarise(run_dir: Path, warmup: int) -> dict[str, Any]:
-    """Rates over the timed window of one job, from its metrics.jsonl and summary.json."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    if len(rows) <= warmup:
-        raise RuntimeError(f"{run_dir}: {len(rows)} steps recorded, the warm-up alone is {warmup}")
-    first = rows[warmup - 1] if warmup else {"time": 0.0, "gen_totals": {}}
-    window, last = rows[warmup:], rows[-1]
-    dt = last["time"] - first["time"]
-    gen = {k: last["gen_totals"].get(k, 0.0) - first["gen_totals"].get(k, 0.0)
-           for k in (*GEN_TOTALS, "tokens")}
-    gen_busy = sum(gen[k] for k in GEN_TOTALS)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    if not gen_busy:  # steps shorter than the launcher's 1 s tick: whole-run generator totals
-        gen = {k: sum(g.get(k, 0.0) for g in summary["generators"]) for k in (*GEN_TOTALS, "tokens")}
-        gen_busy, dt_gen = sum(gen[k] for k in GEN_TOTALS), summary["wall_s"]
-    else:
-        dt_gen = dt
-    hist: Counter[int] = Counter()
-    for r in window:
-        hist.update({int(k): v for k, v in r["staleness_hist"].items()})
-    tail = rows[-max(1, len(rows) // 4):]
-    made = {0: (0, 0.0)}  # policy version -> (samples trained to make it, time it was made)
-    samples = 0
-    for r in rows:
-        samples += r["samples"]
-        made[r["version"]] = (samples, r["time"])
-    earned: dict[int, list[float]] = {}  # version -> [samples it generated, their reward sum]
-    for r in rows:
-        for v, (n, mean) in r["reward_by_version"].items():
-            acc = earned.setdefault(int(v), [0, 0.0])
-            acc[0] += n
-            acc[1] += n * mean
-    policy_curve = [{"version": v, "samples": made[v][0], "time": made[v][1], "reward": s / n}
-                    for v, (n, s) in sorted(earned.items())]
-    return {
-        "timed_steps": len(window),
-        "window_s": dt,
-        "samples_per_s": sum(r["samples"] for r in window) / dt,
-        "trained_tokens_per_s": sum(r["tokens"] for r in window) / dt,
-        "tokens_per_s": gen["tokens"] / dt_gen,  # generated response tokens
-        "gen_idle": gen["idle_s"] / gen_busy if gen_busy else float("nan"),
-        "learner_idle": sum(r["time_wait"] for r in window) / dt,
-        "weight_sync_share": sum(r["weight_sync_share"] for r in window) / len(window),
-        "step_s": dt / len(window),
-        "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
-        "reward_final": sum(r["reward_mean"] for r in tail) / len(tail),
-        "policy_curve": policy_curve,
-        "accounting": {k: summary.get(k) for k in ("produced", "trained", "dropped_stale", "lost")},
-    }
-
-
-# -- report --------------------------------------------------------------------------------
-def _best_async(runs: list[dict]) -> dict | None:
-    cands = [r for r in runs if r["placement"] == "dedicated" and r["max_staleness"] > 0]
-    return max(cands, key=lambda r: r["samples_per_s"]) if cands else None
-
-
-def verdicts(runs: list[dict], bounds: dict) -> dict[str, Any]:
-    """The issue's targets, computed from this run. "Same placement": the synchronous (k = 0)
-    dedicated run with the same generator count as the best asynchronous one."""
-    best = _best_async(runs)
-    sync = [r for r in runs if r["placement"] == "dedicated" and r["max_staleness"] == 0]
-    sync_same = next((r for r in sync if best and r["generators"] == best["generators"]), None)
-    sync_best = max(sync, key=lambda r: r["samples_per_s"]) if sync else None
-    colo = next((r for r in runs if r["placement"] == "colocated"), None)
-    v: dict[str, Any] = {"best_async": best and best["name"]}
-    if best and sync_same:
-        v["speedup_vs_sync_same_placement"] = best["samples_per_s"] / sync_same["samples_per_s"]
-    if best and sync_best:  # k = 0 with more generators uses the idle learner's core too
-        v["speedup_vs_best_sync_dedicated"] = best["samples_per_s"] / sync_best["samples_per_s"]
-        v["best_sync_dedicated"] = sync_best["name"]
-    if best:
-        v["fraction_of_bound"] = best["samples_per_s"] / bounds["min_samples_per_s"]
-    if best and colo:
-        v["speedup_vs_colocated"] = best["samples_per_s"] / colo["samples_per_s"]
-    for g in sorted({r["generators"] for r in runs}):
-        k0 = next((r for r in sync if r["generators"] == g), None)
-        k2 = next((r for r in runs if r["placement"] == "dedicated" and r["max_staleness"] == 2
-                   and r["generators"] == g), None)
-        if k0 and k2:
-            v[f"reward_k2_over_k0_g{g}"] = _ratio(k2["reward_final"], k0["reward_final"])
-            v[f"reward_per_sample_k2_over_k0_g{g}"] = _ratio(_reward_per_sample(k2, k0),
-                                                              _reward_per_sample(k0, k2))
-    return v
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else float("nan")
-
-
-def _reward_per_sample(run: dict, other: dict) -> float:
-    """Mean reward of `run`'s policies over the versions both runs reached: the area under its
-    reward-vs-trained-samples curve up to the samples both trained, read per policy version (a
-    batch's mean reward would instead lag by the batch's staleness)."""
-    common = {p["version"] for p in other["policy_curve"]}
-    rewards = [p["reward"] for p in run["policy_curve"] if p["version"] in common]
-    return sum(rewards) / len(rewards) if rewards else float("nan")
-
-
-def write_markdown(report: dict, path: Path) -> None:
-    b = report["bounds"]
-    lines = [f"# async-rlhf bench: `{report['command']}`", "",
-             f"{report['cpus']} cores; {report['timed_steps']} timed learner steps per setting after "
-             f"{report['warmup']} warm-up steps; samples per step {report['batch_size']}.", ""]
-    measured = "; ".join(f"{m['gen']['when']}: {m['gen']['samples_per_s']:.2f} and "
-                         f"{m['train']['samples_per_s']:.2f}" for m in b["measurements"])
-    lines += [f"Stage bounds (the faster of two measurements; {measured}): generation alone "
-              f"{b['gen']['samples_per_s']:.2f} samples/s ({b['gen']['threads']} thread(s)), training alone "
-              f"{b['train']['samples_per_s']:.2f} samples/s ({b['train']['threads']} thread(s)); "
-              f"min {b['min_samples_per_s']:.2f}.", ""]
-    lines += ["| setting | placement | k | gens | samples/s | of bound | gen tok/s | gen idle | "
-              "learner idle | sync share | staleness hist | reward end | load |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in report["runs"]:
-        frac = f"{r['fraction_of_bound']:.0%}" if r.get("fraction_of_bound") is not None else "-"
-        hist = " ".join(f"{k}:{v}" for k, v in r["staleness_hist"].items())
-        lines.append(f"| {r['name']} | {r['placement']} | {r['max_staleness']} | {r['generators']} | "
-                     f"{r['samples_per_s']:.2f} | {frac} | {r['tokens_per_s']:.0f} | {r['gen_idle']:.0%} | "
-                     f"{r['learner_idle']:.0%} | {r['weight_sync_share']:.1%} | {hist} | "
-                     f"{r['reward_final']:.3f} | {r['load_before']}->{r['load_after']} |")
-    lines += ["", "Allocation: " + "; ".join(f"{r['name']}: {r['allocation']}" for r in report["runs"]), ""]
-    lines += ["Targets: " + ", ".join(f"{k} = {v:.2f}" if isinstance(v, float) else f"{k} = {v}"
-                                      for k, v in report["verdicts"].items()), ""]
-    path.write_text("\n".join(lines))
-
-
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = report["runs"]
-    names = [r["name"] for r in runs]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    ax = axes[0][0]
-    ax.bar(names, [r["samples_per_s"] for r in runs], color=["C1" if r["placement"] == "colocated" else
-                                                            ("C0" if r["max_staleness"] else "C7") for r in runs])
-    ax.axhline(report["bounds"]["min_samples_per_s"], color="k", ls="--", label="stage bound")
-    ax.legend()
-    ax.set_ylabel("trained samples / s")
-    ax.tick_params(axis="x", rotation=45, labelsize=7)
-    ax = axes[0][1]
-    x = range(len(runs))
-    ax.bar([i - 0.2 for i in x], [r["gen_idle"] for r in runs], width=0.4, label="generator idle")
-    ax.bar([i + 0.2 for i in x], [r["learner_idle"] for r in runs], width=0.4, label="learner idle")
-    ax.set_xticks(list(x), names, rotation=45, fontsize=7)
-    ax.set_ylabel("idle fraction")
-    ax.legend()
-    for r in runs:
-        c = r["policy_curve"]
-        axes[1][0].plot([p["samples"] for p in c], [p["reward"] for p in c], label=r["name"])
-        axes[1][1].plot([p["time"] for p in c], [p["reward"] for p in c], label=r["name"])
-    axes[1][0].set_xlabel("samples trained to make the policy")
-    axes[1][1].set_xlabel("wall time the policy was made, from the job's start (s)")
-    for ax in axes[1]:
-        ax.set_ylabel("mean reward of the policy's samples")
-    axes[1][1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -437,9 +331,11 @@ def run(args: argparse.Namespace) -> int:
         run_dir = run_setting(args, s, out, steps)
         s.update(summarise(run_dir, args.warmup))
         runs.append(s)
-        print(f"  {s['samples_per_s']:.2f} samples/s, gen idle {s['gen_idle']:.0%}, learner idle "
-              f"{s['learner_idle']:.0%}, staleness {s['staleness_hist']}, reward {s['reward_final']:.3f}, "
-              f"load {s['load_before']}->{s['load_after']}", flush=True)
+        print(f"  {s['samples_per_s']:.2f} samples/s, gen idle {s['gen_idle']:.0%} (mean "
+              f"{s['gen_mean_inflight']:.1f} in flight, {s['gen_inflight_updates']} in-flight updates), "
+              f"learner idle {s['learner_idle']:.0%}, staleness {s['staleness_hist']} (mean "
+              f"{s['staleness_mean']:.2f}, per token {s['staleness_token_mean']:.2f}), reward "
+              f"{s['reward_final']:.3f}, load {s['load_before']}->{s['load_after']}", flush=True)
     try:
         measured = [before, measure_bounds(args, out, "after")]
     except RuntimeError as e:  # the settings' results still count: report the first bounds

@@ -15,17 +15,38 @@ from async_rlhf.types import Group, Prompt, Received, Sample, TrajectoryError
 
 
 class GenerationEngine(Protocol):
-    """Samples n responses per prompt and takes new weights in place."""
+    """Samples groups of n responses, by continuous batching: groups are submitted, come back
+    from `step` as each one finishes, and new weights load in place between two steps."""
 
     @property
     def policy_version(self) -> int: ...
 
+    @property
+    def num_sequences(self) -> int:
+        """Sequences submitted and not finished (a group's samples may finish apart)."""
+        ...
+
+    def submit(self, key: str, prompt: Prompt, n: int) -> None:
+        """Start n samples of `prompt`; `step` returns them together under `key`."""
+        ...
+
+    def step(self) -> list[tuple[str, list[Sample]]]:
+        """Advance every submitted group (by one engine step, or to its end where the engine
+        cannot stop midway); returns (key, n samples) for each group that finished."""
+        ...
+
+    def abort(self, keys: Sequence[str]) -> None:
+        """Drop submitted groups that have not finished."""
+        ...
+
     def generate(self, prompts: Sequence[Prompt], n: int) -> list[list[Sample]]:
-        """One list of n samples per prompt, log-probs under the sampling distribution."""
+        """One list of n samples per prompt, log-probs under the sampling distribution (an
+        idle engine: nothing submitted may be in flight)."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load full weights (HF names) and start generating with `version`."""
+        """Load full weights (HF names) and sample with `version` from the next step on; groups
+        in flight go on with the new weights."""
         ...
 
 
@@ -114,7 +135,8 @@ class AdmissionGate(Protocol):
         ...
 
     def finish(self, n_admitted: int, n_accepted: int) -> None:
-        """The batch ended: n_accepted of the n_admitted samples were put on the queue."""
+        """Admitted samples ended (a group, or a batch): n_accepted of n_admitted were put on
+        the queue."""
         ...
 
 

@@ -109,7 +109,9 @@ class Coordinator:
 
 
 class _CoordinatorGate:
-    """The AdmissionGate protocol for one generator, backed by the Coordinator actor."""
+    """The AdmissionGate protocol for one generator, backed by the Coordinator actor: one call
+    per group as engine slots free (per batch with generator.schedule=lockstep), keyed on the
+    version of the weights the group will start with."""
 
     def __init__(self, coordinator, generator_id: str, version_fn):
         self.coordinator, self.generator_id, self.version_fn = coordinator, generator_id, version_fn
@@ -126,7 +128,9 @@ class _CoordinatorGate:
 
 
 class GeneratorWorker:
-    """One always-on generator: generation loop, weight receiver and applier threads."""
+    """One always-on generator: its engine loop and scorer (actors.generator), a weight
+    receiver per membership epoch, and an applier that hands the newest update to the engine
+    loop (between two engine steps, or once the engine is empty: generator.weight_updates)."""
 
     def __init__(self, cfg: Config, index: int, redis_url: str, coordinator):
         from actors.generator import make_generator
@@ -166,7 +170,7 @@ class GeneratorWorker:
             receiver = WeightReceiver(address, rank)
             while (update := receiver.receive()) is not None:
                 self.last_receive_s = update.received_s
-                with self._update_ready:  # keep only the newest: a slow batch never queues stale ones
+                with self._update_ready:  # keep only the newest: a slow load never queues stale ones
                     self._latest = update
                     self._update_ready.notify()
         except Exception as e:  # a member died and broke the group: the next epoch replaces it
@@ -177,8 +181,8 @@ class GeneratorWorker:
             with self._update_ready:
                 self._update_ready.wait_for(lambda: self._latest is not None or self.stop_event.is_set(), 1.0)
                 update, self._latest = self._latest, None
-            if update is not None:  # blocks until the batch in flight ends (the safe point)
-                self.generator.apply_weights(update.named_tensors, update.version)
+            if update is not None:  # blocks until the engine loop's safe point: the next step
+                self.generator.apply_weights(update.named_tensors, update.version)  # or an empty engine
 
     def stats(self) -> dict[str, Any]:
         import ray

@@ -14,7 +14,11 @@ import numpy as np
 
 # Bump when a field is added, removed or changes meaning; the codec refuses other versions.
 # v2: a stream entry holds a whole Group (v1 held one Trajectory).
-SCHEMA_VERSION = 2
+# v3: each trajectory carries version_spans (which weights sampled which tokens).
+SCHEMA_VERSION = 3
+
+# (version, index of the first response token that version sampled), one per change of weights
+VersionSpans = tuple[tuple[int, int], ...]
 
 
 class TrajectoryError(ValueError):
@@ -58,7 +62,13 @@ class Sample:
     response_ids: np.ndarray  # int32 [T]
     behavior_logprobs: np.ndarray  # float32 [T]
     finished: bool  # ended with EOS (False: cut at max_new_tokens)
+    version_spans: VersionSpans  # the weights that sampled its tokens, as in Trajectory
     text: str = ""
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest version that sampled a token of this sample."""
+        return min(v for v, _ in self.version_spans)
 
 
 @dataclass(frozen=True)
@@ -70,12 +80,17 @@ class Trajectory:
     behavior_logprobs: np.ndarray  # float32 [T]
     reward: float  # weighted sum of reward_parts
     reward_parts: dict[str, float]
-    policy_version: int  # version of the weights that sampled it
+    policy_version: int  # the OLDEST version that sampled a token of it: what staleness is measured by
     generator_id: str
     group_id: str  # the n samples of one prompt share it
     finished: bool
     generated_at: float = field(default_factory=time.time)
-    generation_s: float = 0.0  # engine seconds for the batch this sample came from
+    generation_s: float = 0.0  # seconds its group spent in the engine, submitted to finished
+    # Which weights sampled which response tokens: (version, first token index) each time the
+    # weights changed while it was generated (in-flight weight updates). The first span starts
+    # at 0, starts rise strictly, and policy_version is the oldest of the versions. () means
+    # one version, policy_version, sampled every token (producers that do not track it).
+    version_spans: VersionSpans = ()
     schema_version: int = SCHEMA_VERSION
 
     def validate(self, *, logprobs: bool = True) -> None:
@@ -112,6 +127,33 @@ class Trajectory:
             raise TrajectoryError("non_finite_reward", f"reward is {self.reward}")
         if self.policy_version < 0:
             raise TrajectoryError("bad_version", f"policy_version is {self.policy_version}")
+        if self.version_spans:
+            self._validate_spans()
+
+    def _validate_spans(self) -> None:
+        spans = self.version_spans
+        starts = [s for _, s in spans]
+        rising = all(a < b for a, b in zip(starts, starts[1:]))
+        if starts[0] != 0 or not rising or starts[-1] >= len(self.response_ids):
+            raise TrajectoryError("bad_version_spans", f"span starts {starts} must be 0 then rise "
+                                  f"strictly below the response length {len(self.response_ids)}")
+        oldest = min(v for v, _ in spans)
+        if oldest != self.policy_version:
+            raise TrajectoryError("bad_version_spans", f"policy_version {self.policy_version} is not "
+                                  f"the oldest span version {oldest}: it must be (staleness is the "
+                                  "oldest token's)")
+
+    def token_versions(self) -> np.ndarray:
+        """int64 [T]: the version of the weights that sampled each response token."""
+        out = np.full(len(self.response_ids), self.policy_version, dtype=np.int64)
+        for version, start in self.version_spans:
+            out[start:] = version
+        return out
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version that sampled a token of it (policy_version when one did all)."""
+        return max((v for v, _ in self.version_spans), default=self.policy_version)
 
     @property
     def num_tokens(self) -> int:
@@ -142,8 +184,10 @@ class Group:
         return len(self.members)
 
     def with_version(self, version: int) -> Group:
-        """The same group with every member stamped `version` (benchmarks replay old data)."""
-        return Group(tuple(dataclasses.replace(t, policy_version=version) for t in self.members))
+        """The same group with every member stamped `version` for all its tokens (benchmarks
+        replay old data)."""
+        return Group(tuple(dataclasses.replace(t, policy_version=version, version_spans=((version, 0),))
+                           for t in self.members))
 
     def validate(self, *, logprobs: bool = True) -> None:
         """Raise TrajectoryError if this group must not be trained on: it is empty, its

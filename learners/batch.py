@@ -88,3 +88,10 @@ class Batch:
             rewards = self.rewards[self.versions == v]
             out[v] = [len(rewards), float(rewards.mean())]
         return out
+
+
+def token_staleness(items: Sequence[Received], version: int) -> float:
+    """Mean of version - (the version that sampled it) over the items' response tokens (NaN on
+    ranks that hold no items): with in-flight updates, lower than the per-sample staleness."""
+    tokens = [t.token_versions() for r in items for t in r.group.members]
+    return float(version - np.concatenate(tokens).mean()) if tokens else float("nan")

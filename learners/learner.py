@@ -42,13 +42,15 @@ from async_rlhf.config import LearnerConfig
 from async_rlhf.protocols import ExperienceQueue, ReplayBuffer, WeightPublisher
 from async_rlhf.types import Group, Received, TrajectoryError
 from learners import advantages as adv_fns
-from learners.batch import Batch
+from learners.batch import Batch, token_staleness
 from learners.deepspeed_backend import DeepSpeedBackend, has_dropout
 from learners.losses import NonFiniteError, aggregate, check_finite, kl_penalty, policy_loss, value_loss
 
 log = logging.getLogger(__name__)
 
 _KEEP_CHECKPOINTS = 2
+
+
 def checkpoint_version(ckpt_dir: str | os.PathLike) -> int:
     """The policy version of the newest checkpoint in ckpt_dir (DeepSpeed's `latest` file holds
     its tag, v<version>; see Learner.save_checkpoint), 0 if there is none."""
@@ -163,6 +165,8 @@ class Learner:
             "staleness_max": max(staleness),
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_hist": dict(sorted(collections.Counter(staleness).items())),
+            # per response token, by the weights that sampled it (in-flight updates make it lower)
+            "staleness_token_mean": token_staleness(items, self.version - 1),
             "reward_by_version": batch.reward_by_version(),
             "trained_by_generator": dict(collections.Counter(t.generator_id for r in items
                                                              for t in r.group.members)),
@@ -267,8 +271,8 @@ class Learner:
                                   f"learner expects {self.group_size} (generator.group_size): a producer "
                                   "that splits groups, or one run with another group_size")
         for t in group.members:
-            if t.policy_version > self.version:
-                raise TrajectoryError("future_version", f"policy_version {t.policy_version} is ahead of the "
+            if t.newest_version > self.version:
+                raise TrajectoryError("future_version", f"version {t.newest_version} is ahead of the "
                                       f"learner's {self.version}: made after the checkpoint this run resumed "
                                       "from, or another run's data on this stream")
             if len(t.prompt_ids) == 0:

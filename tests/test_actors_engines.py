@@ -1,6 +1,7 @@
 """The real vLLM CPU engine (one per module) and the transformers engine on the tiny preset:
 log-probs of sampled tokens under the sampling distribution, n samples per prompt, EOS handling,
-and in-place weight updates."""
+in-place weight updates, and updates in flight (between two engine steps) with per-token
+versions."""
 
 import numpy as np
 import pytest
@@ -96,6 +97,60 @@ def test_vllm_update_weights_matches_transformers(vllm_engine, prompts, tiny_act
         assert np.abs(_recompute(model, prompts[0], s, TEMPERATURE) - s.behavior_logprobs).max() <= 1e-3
     vllm_engine.update_weights(original.items(), version=8)
     assert [g[0].response_ids.tolist() for g in vllm_engine.generate(prompts, 1, greedy=True)] == before
+
+
+@torch.no_grad()
+def _recompute_across_update(old, new, prompt, sample, start, temperature):
+    """What the engine sampled tokens start.. from after an in-flight update: the new weights
+    over the KV cache the old ones computed (prompt and tokens before start - 1; token
+    start - 1 is the first the new weights process)."""
+    P, ids = len(prompt.token_ids), torch.tensor([list(prompt.token_ids) + sample.response_ids.tolist()])
+    cache = old(ids[:, :P + start - 1], use_cache=True).past_key_values
+    logits = new(ids[:, P + start - 1:-1], past_key_values=cache, use_cache=True).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, ids[0, P + start:, None]).squeeze(-1).numpy()
+
+
+@pytest.mark.slow
+def test_vllm_inflight_update_logprobs_follow_the_weights_that_sampled_them(
+    vllm_engine, prompts, tiny_actor_model
+):
+    """Weights change between two engine steps with groups in flight: each sample records
+    which version sampled which tokens, and its log-probs are those of the weights that
+    sampled each token (the old ones before the update; after it the new ones, over the KV
+    cache kept from before, which is the distribution the engine sampled from)."""
+    old = _hf_model(tiny_actor_model)
+    gen = torch.Generator().manual_seed(2)
+    new_state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in old.state_dict().items()}
+    new = _hf_model(tiny_actor_model, new_state)
+    base = vllm_engine.policy_version
+    for i, p in enumerate(prompts):
+        vllm_engine.submit(f"k{i}", p, 2)
+    done = dict(vllm_engine.step() + vllm_engine.step() + vllm_engine.step() + vllm_engine.step())
+    assert vllm_engine.num_sequences + 2 * len(done) >= 2 * len(prompts) > 0
+    vllm_engine.update_weights(new_state.items(), version=base + 1)  # 4 tokens sampled, 8 to go
+    while vllm_engine.num_sequences:
+        done.update(vllm_engine.step())
+    assert sorted(done) == [f"k{i}" for i in range(len(prompts))]
+    crossed = 0
+    for i, p in enumerate(prompts):
+        for s in done[f"k{i}"]:
+            if len(s.version_spans) == 1:  # ended at EOS before the update
+                assert s.version_spans == ((base, 0),) and len(s.response_ids) <= 4
+                continue
+            crossed += 1
+            assert s.version_spans == ((base, 0), (base + 1, 4)) and s.policy_version == base
+            before = _recompute(old, p, s, TEMPERATURE)[:4]
+            after = _recompute_across_update(old, new, p, s, 4, TEMPERATURE)
+            assert np.abs(before - s.behavior_logprobs[:4]).max() <= 1e-3
+            assert np.abs(after - s.behavior_logprobs[4:]).max() <= 1e-3
+            # the test can tell the weights apart: neither model alone explains both parts
+            assert np.abs(_recompute(new, p, s, TEMPERATURE)[:4] - s.behavior_logprobs[:4]).max() > 1e-2
+            assert np.abs(_recompute(old, p, s, TEMPERATURE)[4:] - s.behavior_logprobs[4:]).max() > 1e-2
+            # and the cache was kept, not recomputed: the new weights alone differ after it too
+            assert np.abs(_recompute(new, p, s, TEMPERATURE)[4:] - s.behavior_logprobs[4:]).max() > 1e-3
+    assert crossed >= len(prompts)  # most samples were in flight at the update
+    vllm_engine.update_weights(old.state_dict().items(), version=base + 2)
 
 
 def test_hf_engine_logprobs_and_update(tiny_actor_model, prompts):

@@ -1,6 +1,6 @@
 """The generator loop with the real vLLM CPU engine: staleness admission, version stamps, weight
-updates at the safe point, and groups whose rewards raise or return NaN set aside whole while
-the loop goes on."""
+updates at the safe point (in flight, or between groups), and groups whose rewards raise or
+return NaN set aside whole while the loop goes on."""
 
 import dataclasses
 import json
@@ -19,6 +19,7 @@ from actors.rewards import FunctionReward, Scorer
 from async_rlhf.config import Config, DataConfig, GeneratorConfig, ModelConfig, RewardSpec
 from async_rlhf.protocols import QueueStats
 from async_rlhf.staleness import StalenessGate
+from async_rlhf.types import Sample
 
 
 class ListQueue:
@@ -63,6 +64,70 @@ class EngineGate:
         self.gate.finish(n_admitted, n_accepted)
 
 
+class ScriptedEngine:
+    """A GenerationEngine fake for the loop's own logic: group i of those submitted takes
+    lengths[i] steps (default 1), one token a step, stamped with the version of that step."""
+
+    def __init__(self, lengths):
+        self.lengths, self.policy_version, self.submitted = dict(enumerate(lengths)), 0, 0
+        self.running = {}  # key -> [steps left, n, version spans, tokens]
+
+    @property
+    def num_sequences(self):
+        return sum(g[1] for g in self.running.values())
+
+    def submit(self, key, prompt, n):
+        self.running[key] = [self.lengths.get(self.submitted, 1), n, [], 0]
+        self.submitted += 1
+
+    def step(self):
+        time.sleep(0.001)
+        for g in self.running.values():
+            if not g[2] or g[2][-1][0] != self.policy_version:
+                g[2].append((self.policy_version, g[3]))
+            g[0], g[3] = g[0] - 1, g[3] + 1
+        done = [k for k, g in self.running.items() if g[0] == 0]
+        return [(k, self._samples(self.running.pop(k))) for k in done]
+
+    def _samples(self, group):
+        _, n, spans, tokens = group
+        sample = Sample(np.full(tokens, 5, np.int32), np.full(tokens, -1.0, np.float32), False,
+                        tuple(spans), "x")
+        return [sample] * n
+
+    def abort(self, keys):
+        for k in keys:
+            self.running.pop(k, None)
+
+    def update_weights(self, named_tensors, version):
+        self.policy_version = version
+
+
+def test_new_groups_never_overtake_old_ones_in_the_stream(tiny_actor_model):
+    """A long group admitted with version 0 is still generating when version 1 arrives: the
+    short groups admitted after it finish first but go in the stream after it (the gate's bound
+    assumes that order), and its own tokens record both versions."""
+    engine = ScriptedEngine([300])  # the first group takes 300 steps, every other one 1
+    queue, gate = ListQueue(), StalenessGate(max_staleness=10**6, batch_size=4)
+    gen = _generator(engine, tiny_actor_model, queue, gate, reward="one_nan_reward")
+    stop = threading.Event()
+    runner = threading.Thread(target=gen.run, args=(stop,))
+    runner.start()
+    deadline = time.time() + 30
+    while gen.stats()["groups"] < 3 and time.time() < deadline:  # version 0's short groups
+        time.sleep(0.001)
+    gen.apply_weights([], version=1)
+    while len({g.policy_version for g in queue.items}) < 2 and time.time() < deadline:
+        time.sleep(0.001)
+    stop.set()
+    runner.join(30)
+    versions = [g.policy_version for g in queue.items]
+    assert versions == sorted(versions) and versions[-1] == 1
+    (long,) = [g for g in queue.items if len(g.members[0].response_ids) == 300]
+    assert [t.version_spans for t in long.members] == [((0, 0), (1, long.members[0].version_spans[1][1]))] * 2
+    assert gen.stats()["inflight_updates"] == 1 and gate.running == 0
+
+
 def picky_reward(prompts, responses):
     """The batch raises if any answer is 'boom'; NaN for answer 'nan'; 0.5 otherwise."""
     if any(p.answer == "boom" for p in prompts):
@@ -92,20 +157,20 @@ def vllm_engine(tiny_actor_model):
     engine.close()
 
 
-def _generator(engine, path, queue, gate, records=RECORDS, reward="picky_reward", group_size=2):
+def _generator(engine, path, queue, gate, records=RECORDS, reward="picky_reward", group_size=2, **kwargs):
     tok = AutoTokenizer.from_pretrained(path)
     scorer = Scorer([(FunctionReward(f"{__name__}:{reward}", name="picky"), 1.0, 5.0)])
     gate = EngineGate(gate, lambda: engine.policy_version)
-    return Generator(engine, PromptStream(records, tok, seed=0), scorer, queue, gate,
-                     generator_id="gen-t", prompts_per_batch=4, group_size=group_size, poll_s=0.01)
+    return Generator(engine, PromptStream(records, tok, seed=0), scorer, queue, gate, generator_id="gen-t",
+                     group_size=group_size, max_inflight=4 * group_size, poll_s=0.01, **kwargs)
 
 
 @pytest.mark.slow
 def test_failed_rewards_are_set_aside_and_loop_goes_on(vllm_engine, tiny_actor_model):
     queue, gate = ListQueue(), StalenessGate(max_staleness=1, batch_size=8)
     gen = _generator(vllm_engine, tiny_actor_model, queue, gate)
-    stats = gen.run(threading.Event(), max_batches=2)  # capacity (1 + 0 + 1) x 8 = 2 batches
-    assert stats["batches"] == 2 and stats["produced"] == 8 == len(queue.samples())
+    stats = gen.run(threading.Event(), max_groups=8)  # capacity (1 + 0 + 1) x 8 = 8 groups of 2
+    assert stats["produced"] == 8 == len(queue.samples())
     assert stats["groups"] == 4 == len(queue.items)
     assert stats["set_aside"] == {"reward_raised": 2, "reward_nan": 2}  # groups, once each
     assert sorted(r for r, _, _ in queue.dead) == ["reward_nan"] * 2 + ["reward_raised"] * 2
@@ -119,7 +184,7 @@ def test_failed_rewards_are_set_aside_and_loop_goes_on(vllm_engine, tiny_actor_m
         assert group.size == 2 and len({t.group_id for t in group.members}) == 1
     for t in queue.samples():
         assert t.reward == 0.5 and t.reward_parts == {"picky": 0.5} and t.generator_id == "gen-t"
-        assert t.policy_version == 0 and t.generation_s > 0
+        assert t.policy_version == 0 and t.version_spans == ((0, 0),) and t.generation_s > 0
     assert len({g.group_id for g in queue.items}) == 4
     assert stats["tokens"] == sum(len(t.response_ids) for t in queue.samples()) and stats["tokens_per_s"] > 0
 
@@ -130,18 +195,18 @@ def test_gate_wait_and_weights_at_the_safe_point(vllm_engine, tiny_actor_model):
     gate = StalenessGate(max_staleness=0, batch_size=8)  # synchronous: one batch per weights version
     gen = _generator(vllm_engine, tiny_actor_model, queue, gate, records=[("copy 3=", "3")])
     stop = threading.Event()
-    runner = threading.Thread(target=gen.run, args=(stop, 3))
+    runner = threading.Thread(target=gen.run, args=(stop, 12))
     runner.start()
     deadline = time.time() + 60
-    while gen.stats()["batches"] < 1 and time.time() < deadline:
+    while gen.stats()["groups"] < 4 and time.time() < deadline:
         time.sleep(0.01)
     time.sleep(0.2)
-    assert gen.stats()["batches"] == 1 and gen.stats()["idle_s"] > 0.1  # refused: waits for the learner
+    assert gen.stats()["groups"] == 4 and gen.stats()["idle_s"] > 0.1  # refused: waits for the learner
     from transformers import AutoModelForCausalLM
 
     weights = AutoModelForCausalLM.from_pretrained(tiny_actor_model).state_dict()
     gen.apply_weights(weights.items(), version=1)  # the gate admits version 1 weights again
-    while gen.stats()["batches"] < 2 and time.time() < deadline:
+    while gen.stats()["groups"] < 8 and time.time() < deadline:
         time.sleep(0.01)
     gen.apply_weights(weights.items(), version=2)
     runner.join(60)
@@ -149,6 +214,7 @@ def test_gate_wait_and_weights_at_the_safe_point(vllm_engine, tiny_actor_model):
     assert [t.policy_version for t in queue.samples()] == [0] * 8 + [1] * 8 + [2] * 8
     s = gen.stats()
     assert s["weight_updates"] == 2 and s["policy_version"] == 2
+    assert s["inflight_updates"] == 0  # both came while the engine was empty, waiting for them
     assert s["weight_update_s"] > 0 and s["weight_wait_s"] >= 0
 
 
@@ -158,20 +224,21 @@ def test_stop_while_waiting_for_admission(vllm_engine, tiny_actor_model):
     gen = _generator(vllm_engine, tiny_actor_model, ListQueue(), gate)
     stop = threading.Event()
     threading.Timer(0.2, stop.set).start()
-    assert gen.run(stop)["batches"] == 0 and gate.running == 0
+    assert gen.run(stop)["groups"] == 0 and gate.running == 0
 
 
 def test_make_generator_from_config(tiny_actor_model):
     cfg = Config(
         model=ModelConfig(path=str(tiny_actor_model)),
         data=DataConfig(task="count"),
-        generator=GeneratorConfig(engine="hf", prompts_per_batch=2, group_size=2, max_new_tokens=4),
+        generator=GeneratorConfig(engine="hf", max_inflight=4, group_size=2, max_new_tokens=4),
         rewards=(RewardSpec(target="actors.tasks:score"),),
     )
     queue, gate = ListQueue(), StalenessGate(max_staleness=2, batch_size=4)
     gen = make_generator(cfg, queue, EngineGate(gate, lambda: 0), index=1)
-    assert gen.generator_id == "gen-1" and gen.step() == 4
+    assert gen.generator_id == "gen-1" and gen.run(threading.Event(), max_groups=2)["produced"] == 4
     assert [g.size for g in queue.items] == [2, 2]
+    assert all(t.version_spans == ((0, 0),) for t in queue.samples())
     assert all(t.reward_parts.keys() == {"actors.tasks:score"} for t in queue.samples())
     assert all(np.isfinite(t.behavior_logprobs).all() for t in queue.samples())
     assert torch.get_num_threads() >= 1
@@ -199,7 +266,8 @@ def test_generator_into_the_real_redis_stream(vllm_engine, tiny_actor_model, red
     consumer = _redis_queue(redis_server, stream_name, "learner-0")
     gate = StalenessGate(max_staleness=0, batch_size=8)
     gen = _generator(vllm_engine, tiny_actor_model, producer, gate)
-    assert gen.step() == 4  # 4 prompts x 2 samples, the boom and nan prompts' groups set aside
+    assert gen.run(threading.Event(), max_groups=4)["produced"] == 4  # 4 prompts x 2 samples, the
+    # boom and nan prompts' groups set aside
     got = consumer.get(10, block_ms=2000)
     assert [r.group.size for r in got] == [2, 2]
     for r in got:
@@ -235,7 +303,8 @@ def test_a_group_reaches_the_stream_whole_or_not_at_all(
     gate = StalenessGate(max_staleness=0, batch_size=12)
     gen = _generator(vllm_engine, tiny_actor_model, producer, gate, records=records,
                      reward="one_nan_reward", group_size=3)
-    assert gen.step() == 9  # 4 prompts x 3 samples; the "one" prompt's group set aside whole
+    # 4 prompts x 3 samples; the "one" prompt's group set aside whole
+    assert gen.run(threading.Event(), max_groups=4)["produced"] == 9
     got = consumer.get(20, block_ms=2000)
     assert [r.group.size for r in got] == [3, 3, 3]
     for r in got:
@@ -253,3 +322,58 @@ def test_a_group_reaches_the_stream_whole_or_not_at_all(
     stats = gen.stats()
     assert stats["set_aside"] == {"reward_nan": 1} and stats["groups"] == 3 and stats["produced"] == 9
     assert gate.accepted == 9 and gate.running == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["inflight", "between_groups"])
+def test_weight_update_in_flight_or_between_groups(
+    vllm_engine, tiny_actor_model, redis_server, stream_name, mode
+):
+    """An update that arrives while the engine is full: in flight, the sequences go on with
+    the new weights and their tokens' versions reach the learner through the codec; between
+    groups, it waits for the engine to empty and every sample has one version."""
+    from transformers import AutoModelForCausalLM
+
+    producer = _redis_queue(redis_server, stream_name, "gen-t")
+    consumer = _redis_queue(redis_server, stream_name, "learner-0")
+    gate = StalenessGate(max_staleness=10**6, batch_size=8)  # always admits: the engine stays full
+    gen = _generator(vllm_engine, tiny_actor_model, producer, gate, records=[("copy 1234=", "1")],
+                     weight_updates=mode)
+    weights = AutoModelForCausalLM.from_pretrained(tiny_actor_model).state_dict()
+    old = vllm_engine.policy_version  # the module's engine: what earlier tests left
+    stop = threading.Event()
+    runner = threading.Thread(target=gen.run, args=(stop,))
+    runner.start()
+    try:
+        deadline = time.time() + 60
+        while gen.stats()["groups"] < 4 and time.time() < deadline:
+            time.sleep(0.01)
+        gen.apply_weights(weights.items(), version=old + 1)
+        while gen.stats()["groups"] < 16 and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        runner.join(60)
+        vllm_engine.update_weights(weights.items(), version=old)
+    stats = gen.stats()
+    assert stats["weight_updates"] == 1 and stats["groups"] >= 16 and gate.running == 0
+    assert stats["mean_inflight"] > 2 and stats["tokens_per_s"] > 0
+    groups = [r.group for r in consumer.get(10**4, block_ms=2000)]  # decoded, in stream order
+    members = [t for g in groups for t in g.members]
+    # a new group never overtakes an old one in the stream (the gate's bound assumes it)
+    assert [g.policy_version for g in groups] == sorted(g.policy_version for g in groups)
+    assert len(members) == stats["produced"] == gate.accepted
+    spans = [t.version_spans for t in members]
+    assert {sp[0][0] for sp in spans} == {old, old + 1}
+    assert all(t.policy_version == t.version_spans[0][0] for t in members)
+    crossed = [t for t in members if len(t.version_spans) == 2]
+    if mode == "inflight":
+        assert stats["inflight_updates"] == 1 and crossed
+        for t in crossed:  # started with the old version, went on with the new: staleness is the old's
+            (v0, start0), (v1, start1) = t.version_spans
+            assert (v0, start0, v1) == (old, 0, old + 1) and 0 < start1 < len(t.response_ids)
+            assert t.policy_version == old and t.token_versions().tolist() == (
+                [old] * start1 + [old + 1] * (len(t.response_ids) - start1))
+    else:
+        assert stats["inflight_updates"] == 0 and not crossed
+        assert stats["weight_wait_s"] > 0  # for the engine to empty

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from actors.prompts import ChatRenderer, PromptStream, load_records, make_prompt_stream, read_dataset_dir
-from actors.tasks import COUNT_TARGET, TASKS, examples, positional_match, score
+from actors.tasks import COUNT_TARGET, LENGTH_RANGE, TASKS, examples, positional_match, score
 from async_rlhf.config import ConfigError, DataConfig
 from async_rlhf.types import Prompt
 
@@ -35,6 +35,13 @@ def test_copy_and_reverse_rewards():
     assert positional_match("3199", "3142") == pytest.approx(0.6)
     assert positional_match("x" * 16, "3142") == 0.0
     assert all(0.0 <= r <= 1.0 for r in score([copy] * 3, ["", "3142314231423142", "zz"]))
+
+
+def test_length_task_spans_the_range_and_rewards_the_stated_length():
+    targets = [int(answer) for _, answer in examples("length", 0, 2000)]
+    assert (min(targets), max(targets)) == LENGTH_RANGE  # widely varying response lengths
+    p = _prompt("length 20=", "20")
+    assert score([p] * 4, ["x" * 20, "x" * 10, "x" * 30, "x" * 60]) == [1.0, 0.5, 0.5, 0.0]
 
 
 def test_other_prompts_use_exact_match_or_refuse():

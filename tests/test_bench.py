@@ -20,12 +20,13 @@ job: bench-test
 max_staleness: 1
 model: {path: MODEL, preset: tiny}
 data: {source: task, task: count}
-generator: {prompts_per_batch: 4, group_size: 2, max_new_tokens: 8}
+generator: {max_inflight: 8, group_size: 2, max_new_tokens: 8}
 learner: {steps: 2, batch_size: 8, micro_batch: 8, wait_s: 120}
 """
 
 RUN_KEYS = ("placement", "max_staleness", "generators", "samples_per_s", "tokens_per_s", "gen_idle",
-            "learner_idle", "weight_sync_share", "reward_final", "staleness_hist", "allocation")
+            "learner_idle", "weight_sync_share", "reward_final", "staleness_hist", "allocation",
+            "staleness_mean", "staleness_token_mean", "gen_mean_inflight", "gen_inflight_updates", "mode")
 
 
 def test_bench_tiny_writes_outputs(tmp_path: Path, tiny_actor_model: Path):
@@ -50,6 +51,9 @@ def test_bench_tiny_writes_outputs(tmp_path: Path, tiny_actor_model: Path):
         assert 0 <= r["reward_final"] <= 1
         assert sum(r["staleness_hist"].values()) == 2 * 8  # timed steps x batch
         assert max(int(k) for k in r["staleness_hist"]) <= r["max_staleness"]
+        assert 0 <= r["staleness_token_mean"] <= r["max_staleness"]
+        assert 0 <= r["staleness_mean"] <= r["max_staleness"]
+        assert 0 < r["gen_mean_inflight"] <= 8
         assert r["accounting"]["lost"] == 0
         curve = r["policy_curve"]  # one point per generating version, the first the initial policy
         assert curve[0]["version"] == 0 and curve[0]["samples"] == 0
@@ -59,6 +63,8 @@ def test_bench_tiny_writes_outputs(tmp_path: Path, tiny_actor_model: Path):
     bounds = report["bounds"]
     assert bounds["gen"]["samples_per_s"] > 0 and bounds["train"]["samples_per_s"] > 0
     assert bounds["min_samples_per_s"] == min(bounds["gen"]["samples_per_s"], bounds["train"]["samples_per_s"])
+    assert bounds["engine"]["tokens_per_s"] > 0 and bounds["engine"]["inflight"] == 8
+    assert bounds["gen_tokens_of_engine"] == bounds["gen"]["tokens_per_s"] / bounds["engine"]["tokens_per_s"]
     assert {"speedup_vs_sync_same_placement", "fraction_of_bound", "reward_per_sample_k2_over_k0_g1"} <= set(
         report["verdicts"])
 
@@ -67,3 +73,23 @@ def test_bench_tiny_writes_outputs(tmp_path: Path, tiny_actor_model: Path):
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for name in ("dedicated-k0-g1", "dedicated-k2-g1"):  # each setting is a whole job of its own
         assert (out / "runs" / name / "summary.json").is_file()
+
+
+def test_bench_modes_are_generator_settings(tmp_path: Path):
+    """--modes runs each dedicated setting once per generator mode, with that mode's config."""
+    import argparse
+
+    from async_rlhf.bench import MODES, add_arguments, settings
+    from async_rlhf.config import Config, GeneratorConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--config", "c.yaml", "--out", str(tmp_path), "--staleness", "2",
+                              "--generators", "1", "--no-colocated", "--modes", "inflight,lockstep"])
+    names = [(s["name"], s["mode"]) for s in settings(args, Config())]
+    assert names == [("dedicated-k2-g1-inflight", "inflight"), ("dedicated-k2-g1-lockstep", "lockstep")]
+    assert MODES["lockstep"] == ("lockstep", "between_groups")
+    for schedule, updates in MODES.values():  # each is a valid config
+        GeneratorConfig(schedule=schedule, weight_updates=updates)
+    with pytest.raises(SystemExit, match="choose from inflight, between_groups, lockstep"):
+        settings(parser.parse_args(["--config", "c", "--out", "o", "--modes", "sometimes"]), Config())

@@ -24,7 +24,7 @@ def assert_same(a: Group, b: Group) -> None:
             u, v = getattr(x, name), getattr(y, name)
             assert u.dtype == v.dtype and u.shape == v.shape and u.tobytes() == v.tobytes(), name
         for name in ("reward", "reward_parts", "policy_version", "generator_id", "group_id",
-                     "finished", "generated_at", "generation_s", "schema_version"):
+                     "finished", "generated_at", "generation_s", "version_spans", "schema_version"):
             assert getattr(x, name) == getattr(y, name), name
 
 
@@ -34,6 +34,19 @@ def test_round_trip_keeps_every_field_exactly():
     assert_same(group, back)
     assert [t.schema_version for t in back.members] == [SCHEMA_VERSION] * 3
     assert not back.members[0].response_ids.flags.writeable  # arrays stay as produced
+
+
+def test_round_trip_keeps_per_token_versions():
+    """Tokens sampled by several versions (an in-flight update): the spans come back exactly,
+    the oldest version is the staleness, and each token's version can be read off."""
+    group = make_group(size=2, policy_version=4, version_spans=((4, 0), (5, 1), (7, 3)))
+    back = decode(encode(group))
+    assert_same(group, back)
+    (t, _) = back.members
+    assert t.version_spans == ((4, 0), (5, 1), (7, 3)) and type(t.version_spans[0]) is tuple
+    assert t.token_versions().tolist() == [4, 5, 5, 7] and t.newest_version == 7
+    assert back.policy_version == 4
+    assert make_traj(policy_version=2).token_versions().tolist() == [2, 2, 2, 2]  # () = one version
 
 
 def test_round_trip_other_dtypes_and_byte_orders():
@@ -89,10 +102,14 @@ def test_garbage(data, reason):
 def test_schema_version():
     assert reason_of(reencoded(make_group(), schema_version=SCHEMA_VERSION + 1)) == "schema"
     assert reason_of(reencoded(make_group(), schema_version=None)) == "missing_field"
-    with pytest.raises(TrajectoryError, match="expects v2"):
+    with pytest.raises(TrajectoryError, match="expects v3"):
         decode(reencoded(make_group(), schema_version=99))
     v1 = msgpack.unpackb(encode(one()))["members"][0]  # a v1 entry: one trajectory map
     assert reason_of(msgpack.packb({"schema_version": 1, **v1}, use_bin_type=True)) == "schema"
+    v2 = msgpack.unpackb(encode(make_group()))  # a v2 entry: members without version_spans
+    for member in v2["members"]:
+        del member["version_spans"]
+    assert reason_of(msgpack.packb({**v2, "schema_version": 2}, use_bin_type=True)) == "schema"
 
 
 @pytest.mark.parametrize("field", ["reward", "response_ids", "group_id", "finished", "reward_parts"])
@@ -121,6 +138,10 @@ def test_unknown_field(member):
         {"reward_parts": [1.0]},
         {"response_ids": [1, 2]},
         {"response_ids": {"dtype": "int32", "shape": [1]}},
+        {"version_spans": [[1, 0, 2]]},
+        {"version_spans": [[1.0, 0]]},
+        {"version_spans": [[True, 0]]},
+        {"version_spans": {"1": 0}},
     ],
 )
 def test_wrong_types(edits):
@@ -158,6 +179,10 @@ def test_array_mismatch(array):
          "empty"),
         (dict(policy_version=-1), "bad_version"),
         (dict(group_id="another"), "group_id"),
+        (dict(version_spans=((1, 1),)), "bad_version_spans"),  # the first span starts at 0
+        (dict(version_spans=((1, 0), (2, 2), (3, 2))), "bad_version_spans"),  # starts rise
+        (dict(version_spans=((1, 0), (2, 4))), "bad_version_spans"),  # past the response
+        (dict(version_spans=((2, 0),)), "bad_version_spans"),  # policy_version is the oldest
     ],
 )
 def test_validation_runs_after_decoding(changes, reason):
@@ -177,14 +202,15 @@ def test_encode_refuses_unsupported_dtypes():
 
 
 def test_wire_bytes_are_what_msgpack_python_writes_for_the_documented_map():
-    group = make_group(size=2)
+    group = make_group(size=2, policy_version=1, version_spans=((1, 0), (2, 3)))
     arr = lambda a: {"dtype": a.dtype.name, "shape": list(a.shape), "data": a.tobytes()}  # noqa: E731
-    documented = {"schema_version": 2, "members": [
+    documented = {"schema_version": 3, "members": [
         {"prompt_ids": arr(t.prompt_ids), "response_ids": arr(t.response_ids),
          "behavior_logprobs": arr(t.behavior_logprobs), "reward": t.reward,
          "reward_parts": t.reward_parts, "policy_version": t.policy_version,
          "generator_id": t.generator_id, "group_id": t.group_id, "finished": t.finished,
-         "generated_at": t.generated_at, "generation_s": t.generation_s}
+         "generated_at": t.generated_at, "generation_s": t.generation_s,
+         "version_spans": [list(span) for span in t.version_spans]}
         for t in group.members]}
     assert encode(group) == msgpack.packb(documented, use_bin_type=True)
 
@@ -212,10 +238,10 @@ def _member_edit(**edits) -> bytes:
 def _repeated_key() -> bytes:
     """A member map with "reward" twice (true, then its number): both decoders keep the last."""
     member = msgpack.packb(msgpack.unpackb(encode(one()))["members"][0], use_bin_type=True)
-    assert member[0] == 0x8B  # a fixmap of 11 entries: make it 12, the first one repeated
+    assert member[0] == 0x8C  # a fixmap of 12 entries: make it 13, the first one repeated
     empty = msgpack.packb({"schema_version": SCHEMA_VERSION, "members": []}, use_bin_type=True)
     assert empty[-1] == 0x90  # an empty fixarray: make it hold one member
-    return empty[:-1] + b"\x91" + b"\x8c\xa6reward\xc3" + member[1:]
+    return empty[:-1] + b"\x91" + b"\x8d\xa6reward\xc3" + member[1:]
 
 
 EDGE_CASES = [
@@ -238,6 +264,17 @@ EDGE_CASES = [
     _member_edit(behavior_logprobs={"dtype": "int32", "shape": [4], "data": b"\0" * 16}),
     _member_edit(prompt_ids={"dtype": "float64", "shape": [1], "data": b"\0" * 8}),
     _member_edit(prompt_ids={"dtype": "int32", "shape": [True], "data": b"\0" * 4}),
+    _member_edit(version_spans=[[1, 0], [2, 2]]),  # member 1 has policy_version 1
+    _member_edit(version_spans=[(1, 0)]),
+    _member_edit(version_spans=[[1, 0], [0, 2]]),  # decodes, validate refuses
+    _member_edit(version_spans=[[1, 0, 0]]),
+    _member_edit(version_spans=[[1]]),
+    _member_edit(version_spans=[[1.0, 0]]),
+    _member_edit(version_spans=[[1, False]]),
+    _member_edit(version_spans=[[2**64 - 1, 0]]),
+    _member_edit(version_spans=[[-1, 0]]),
+    _member_edit(version_spans=(1, 0)),
+    _member_edit(version_spans=None),
     _member_edit(schema_version=SCHEMA_VERSION),  # only the entry has one
     reencoded(make_group(), schema_version=2.0),
     reencoded(make_group(), members=[]),

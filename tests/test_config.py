@@ -7,7 +7,7 @@ from async_rlhf.config import Config, ConfigError, load_config, parse_override
 def test_defaults_are_valid():
     cfg = load_config()
     assert cfg == Config()
-    assert cfg.samples_per_generation == cfg.generator.prompts_per_batch * cfg.generator.group_size
+    assert cfg.generator.schedule == "stream" and cfg.generator.weight_updates == "inflight"
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -49,7 +49,11 @@ def test_rewards_list(tmp_path):
         ("learner.lerning_rate=1", "unknown config key learner.'lerning_rate'"),
         ("bogus=1", "unknown config key 'bogus'"),
         ("data.source=jsonl", "data.path must be set when data.source=jsonl"),
-        ("generator.group_size=3", "learner.batch_size must be a multiple of generator.prompts_per_batch"),
+        ("generator.group_size=3", "learner.batch_size must be a multiple of generator.group_size (3)"),
+        ("generator.max_inflight=2", "generator.max_inflight must be >= generator.group_size (4)"),
+        ("generator.schedule=batch", "generator.schedule must be one of 'stream', 'lockstep'"),
+        ("generator.weight_updates=never", "generator.weight_updates must be one of 'inflight'"),
+        ("generator.prompts_per_batch=8", "generator.prompts_per_batch is retired: generators stream"),
         ("learner=3", "learner. must be a mapping, got 3"),
     ],
 )

@@ -23,9 +23,9 @@ import redis
 
 pytestmark = pytest.mark.slow
 
-# A tiny job: 4 prompts x 2 samples per generation, 8 trajectories per learner step.
+# A tiny job: groups of 2 samples, up to 8 sequences in the engine, 8 trajectories per learner step.
 TINY = [
-    "generator.prompts_per_batch=4", "generator.group_size=2", "generator.max_new_tokens=8",
+    "generator.max_inflight=8", "generator.group_size=2", "generator.max_new_tokens=8",
     "learner.batch_size=8", "learner.micro_batch=4", "learner.wait_s=120",
 ]
 
@@ -103,19 +103,26 @@ def _check_accounting(summary: dict) -> None:
     assert summary["produced"] >= summary["trained"] > 0, summary
 
 
-@pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize("k", [0, 1, 2])
 def test_pipeline_respects_the_staleness_bound(tmp_path, tiny_actor_model, k):
+    """With in-flight weight updates (the default), on responses of 1 to 64 tokens: no sample
+    trained staler than k, measured by its oldest token, and none dropped for it."""
     name = f"k{k}"
-    proc = _train(tmp_path, tiny_actor_model, name, f"max_staleness={k}", "learner.steps=4")
+    proc = _train(tmp_path, tiny_actor_model, name, f"max_staleness={k}", "learner.steps=4",
+                  "data.task=length", "generator.max_new_tokens=64")
     metrics, summary = _finish(tmp_path, name, proc)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
-        assert m["staleness_max"] <= k
+        assert m["staleness_max"] <= k and 0 <= m["staleness_token_mean"] <= k
         for key in ("policy_version", "reward_mean", "samples", "staleness_mean", "time"):
             assert key in m
     assert any(m["weight_sync_s"] > 0 for m in metrics)
     _check_accounting(summary)
     assert summary["trained"] == 4 * 8 // 2  # groups of generator.group_size=2
+    assert summary["dropped_stale"] == 0
+    (gen,) = summary["generators"]
+    assert gen["update_mode"] == "inflight" and gen["weight_updates"] >= 1
+    print(f"k={k}: {gen['inflight_updates']} of {gen['weight_updates']} updates in flight")
 
 
 def test_killed_generator_loses_nothing_and_job_goes_on(tmp_path, tiny_actor_model):

@@ -321,3 +321,13 @@ def test_a_non_finite_loss_skips_the_step_and_the_next_batch_trains(make_learner
     after = publisher.weights
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert all(bool(torch.isfinite(w).all()) for w in after.values())
+
+
+def test_token_staleness_counts_each_token_by_the_version_that_sampled_it():
+    from helpers import make_group
+    from learners.batch import token_staleness
+
+    crossed = make_group(size=2, policy_version=3, version_spans=((3, 0), (5, 2)))  # 3, 3, 5, 5
+    assert token_staleness([Received("1-0", crossed)], 5) == 1.0  # by sample it is 2
+    assert token_staleness([Received("2-0", make_group(size=1, policy_version=4))], 5) == 1.0
+    assert math.isnan(token_staleness([], 5))  # ranks without items

@@ -1,6 +1,11 @@
 """GenerationEngine on plain transformers `generate`, for machines without vLLM (and as the
 benchmark's baseline).
 
+No continuous batching: `step` generates every group submitted since the last step to its end,
+in one `generate` call per sample count n, so a generator on this engine works in lock-step
+batches (of up to generator.max_inflight sequences) whatever generator.schedule says, and
+weights change only between those batches.
+
 Log-probs come from `generate`'s processed scores: log_softmax of the logits after temperature
 and, when top_p < 1, the top-p mask, i.e. the distribution each token was sampled from, the same
 convention as the vLLM engine (see vllm_engine.py for what top_p < 1 means to the learner).
@@ -14,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from async_rlhf.types import Prompt, Sample
+from async_rlhf.types import Prompt, Sample, VersionSpans
 
 
 class HFEngine:
@@ -44,10 +49,31 @@ class HFEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id
         self._version = 0
+        self._submitted: dict[str, tuple[Prompt, int]] = {}
 
     @property
     def policy_version(self) -> int:
         return self._version
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(n for _, n in self._submitted.values())
+
+    def submit(self, key: str, prompt: Prompt, n: int) -> None:
+        self._submitted[key] = (prompt, n)
+
+    def step(self) -> list[tuple[str, list[Sample]]]:
+        """Every group submitted since the last step, generated to its end."""
+        submitted, self._submitted = self._submitted, {}
+        done = []
+        for n in sorted({n for _, n in submitted.values()}):
+            keys = [k for k, (_, m) in submitted.items() if m == n]
+            done += zip(keys, self.generate([submitted[k][0] for k in keys], n))
+        return done
+
+    def abort(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._submitted.pop(key, None)
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Prompt], n: int, *, greedy: bool = False) -> list[list[Sample]]:
@@ -77,10 +103,11 @@ class HFEngine:
             [torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1
         ).cpu()  # [B*n, T, V]
         picked = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        samples = [self._sample(tokens[j], picked[j]) for j in range(len(tokens))]
+        spans = ((self._version, 0),)
+        samples = [self._sample(tokens[j], picked[j], spans) for j in range(len(tokens))]
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
-    def _sample(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> Sample:
+    def _sample(self, tokens: torch.Tensor, logprobs: torch.Tensor, spans: VersionSpans) -> Sample:
         eos = (tokens == self.eos_token_id).nonzero()
         length = int(eos[0]) + 1 if len(eos) else len(tokens)  # keep the EOS: it was sampled
         ids = tokens[:length].numpy().astype(np.int32)
@@ -88,6 +115,7 @@ class HFEngine:
             response_ids=ids,
             behavior_logprobs=logprobs[:length].numpy().astype(np.float32),
             finished=bool(len(eos)),
+            version_spans=spans,
             text=self.tokenizer.decode(ids, skip_special_tokens=True),
         )
 

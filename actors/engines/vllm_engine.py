@@ -6,11 +6,29 @@ and, when top_p < 1, renormalised over the top-p nucleus (tokens outside it get 
 recomputes log_softmax(logits / temperature) without the nucleus, so with top_p < 1 its ratio is
 biased upwards by the nucleus mass; train with top_p = 1 (the default) unless that is intended.
 
+Continuous batching: `submit` adds one request of n samples to vLLM's LLMEngine
+(`add_request`, outputs FINAL_ONLY, so a group comes back once, when its last sample ends) and
+`step` runs one engine step (`LLMEngine.step`): sequences join and leave the running batch at
+every step, so the engine stays as full as the caller keeps it.
+
 Weight updates: vLLM on CPU repacks weights into its kernel layout, so `model.load_weights` does
 not work on a running engine; `model_runner.reload_weights(weights_iterator=...)` does (it loads
 HF-named checkpoint tensors through the same path as start-up). It is called on every worker
-through a `worker_extension_cls` and `collective_rpc`, then the prefix cache is reset so no KV
-computed with the old weights is reused.
+through a `worker_extension_cls` and `collective_rpc`, between two steps, with requests in
+flight: they go on with the new weights, and vLLM stamps each sample's tokens with the version
+that sampled them (`set_weight_version`; `CompletionOutput.weight_versions` -> version_spans).
+
+The KV cache of sequences in flight is kept, not recomputed (PipelineRL's choice, not AReaL's
+abort-and-resubmit): a token sampled after the update is conditioned on keys and values that
+older weights computed for the tokens before it. That costs nothing at the update (recomputing
+would re-prefill every sequence in flight at each update, a large share of the engine's work
+with short responses and frequent updates on CPU), and it keeps the behaviour log-probs exact:
+they are those of the distribution each token was actually sampled from (new weights over the
+kept cache), which is what the learner's importance weight pi_prox / pi_behaviour must divide
+by. The learner's pi_prox is a full recomputation, so the weight also corrects for the slightly
+stale cache. Prefix caching stays on, salted with the version (`cache_salt`): a request started
+with version v never reuses prompt blocks computed with other weights (vLLM's
+`reset_prefix_cache` refuses while requests run, so it cannot be relied on mid-stream).
 """
 
 from __future__ import annotations
@@ -39,7 +57,8 @@ class WeightReloadExtension:
 
 
 class VLLMEngine:
-    """Samples with vLLM's LLM class; `update_weights` swaps weights between generate calls."""
+    """Samples with vLLM's LLMEngine by continuous batching; `update_weights` swaps weights
+    between two steps, with groups in flight."""
 
     def __init__(
         self,
@@ -68,9 +87,11 @@ class VLLMEngine:
         self._set_num_threads = torch.set_num_threads  # vLLM replaces it; close() puts it back
         try:
             from vllm import LLM, SamplingParams
+            from vllm.sampling_params import RequestOutputKind
         except ImportError as e:
             raise ImportError(_INSTALL_HINT) from e
         self._sampling_params = SamplingParams
+        self._final_only = RequestOutputKind.FINAL_ONLY
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
@@ -85,10 +106,14 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WeightReloadExtension",
             seed=seed,
+            # off on GPU too: with it a step may already be scheduled across a weight update
+            async_scheduling=False,
             # CPU: 32-token KV blocks decode ~15% faster than the default 128 here (bench-gen,
             # small preset, short responses); on GPU vLLM's default stands.
             **({"block_size": 32} if self.device == "cpu" else {}),
         )
+        self._engine = self.llm.llm_engine
+        self._engine.set_weight_version(str(self._version))
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
 
     def close(self) -> None:
@@ -99,8 +124,8 @@ class VLLMEngine:
 
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
-        self.llm.llm_engine.engine_core.shutdown()
-        del self.llm
+        self._engine.engine_core.shutdown()
+        del self.llm, self._engine
         gc.collect()
         destroy_model_parallel()
         destroy_distributed_environment()
@@ -112,37 +137,66 @@ class VLLMEngine:
     def policy_version(self) -> int:
         return self._version
 
-    def generate(self, prompts: Sequence[Prompt], n: int, *, greedy: bool = False) -> list[list[Sample]]:
-        """n samples per prompt; `greedy` (tests, evaluation) takes the argmax token instead."""
+    @property
+    def num_sequences(self) -> int:
+        return self._engine.get_num_unfinished_requests()  # a group's samples count apart
+
+    def submit(self, key: str, prompt: Prompt, n: int, *, greedy: bool = False) -> None:
+        """Start n samples of `prompt` (`greedy`, for tests and evaluation: argmax tokens)."""
         from vllm.inputs import TokensPrompt
 
-        if self.device == "cpu" and torch.get_num_threads() != self.threads:
-            # OpenMP thread counts are per calling thread, and vLLM's CPU attention checks that
-            # the count it planned with is the one it runs with: a generate() from another thread
-            # (the launcher's, a test's) must use the count the engine was built with.
-            self._set_num_threads(self.threads)
         params = self._sampling_params(
             n=n,
             temperature=0.0 if greedy else self.temperature,
             top_p=1.0 if greedy else self.top_p,
             max_tokens=self.max_new_tokens,
             logprobs=0,  # the sampled token's own log-prob
+            output_kind=self._final_only,  # the default re-sends every token at every step
         )
-        inputs = [TokensPrompt(prompt_token_ids=list(p.token_ids)) for p in prompts]
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
-        return [[self._sample(c) for c in out.outputs] for out in outputs]
+        inputs = TokensPrompt(prompt_token_ids=list(prompt.token_ids), cache_salt=str(self._version))
+        self._engine.add_request(key, inputs, params)
+
+    def step(self) -> list[tuple[str, list[Sample]]]:
+        if self.device == "cpu" and torch.get_num_threads() != self.threads:
+            # OpenMP thread counts are per calling thread, and vLLM's CPU attention checks that
+            # the count it planned with is the one it runs with: a step from another thread
+            # (the generator's loop, a test's) must use the count the engine was built with.
+            self._set_num_threads(self.threads)
+        return [(out.request_id, [self._sample(c) for c in out.outputs])
+                for out in self._engine.step() if out.finished]
+
+    def abort(self, keys: Sequence[str]) -> None:
+        self._engine.abort_request(list(keys))
+
+    def generate(self, prompts: Sequence[Prompt], n: int, *, greedy: bool = False) -> list[list[Sample]]:
+        """n samples per prompt, all in the engine at once (nothing else may be in flight)."""
+        busy = self._engine.get_num_unfinished_requests()
+        if busy:
+            raise RuntimeError(f"generate() needs an idle engine, {busy} requests are in flight: "
+                               "step() them to the end or abort() them first")
+        for i, prompt in enumerate(prompts):
+            self.submit(str(i), prompt, n, greedy=greedy)
+        done: dict[str, list[Sample]] = {}
+        while len(done) < len(prompts):
+            done.update(self.step())
+        return [done[str(i)] for i in range(len(prompts))]
 
     def _sample(self, completion) -> Sample:
         ids = np.asarray(completion.token_ids, dtype=np.int32)
         logprobs = np.asarray(
             [step[int(t)].logprob for t, step in zip(ids, completion.logprobs)], dtype=np.float32
         )
+        spans = tuple((int(s.version), s.start) for s in completion.weight_versions)
         finished = completion.finish_reason == "stop"
-        return Sample(response_ids=ids, behavior_logprobs=logprobs, finished=finished, text=completion.text)
+        return Sample(response_ids=ids, behavior_logprobs=logprobs, finished=finished,
+                      version_spans=spans, text=completion.text)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load full HF-named weights into every worker, then generate as `version`."""
+        """Load full HF-named weights into every worker, then sample as `version` (call between
+        two steps: groups in flight keep their KV cache and go on with the new weights)."""
         weights = [(name, t.detach()) for name, t in named_tensors]
         self.llm.collective_rpc("reload_named_weights", args=(weights,))
-        self.llm.reset_prefix_cache()
+        self._engine.set_weight_version(str(version))
+        if not self.num_sequences:  # free the old versions' blocks (vLLM refuses while requests run)
+            self.llm.reset_prefix_cache()
         self._version = version
