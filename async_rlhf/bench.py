@@ -22,10 +22,14 @@ step W to the end of the last step.
                (groups stream, weights load between engine steps), between_groups (groups
                stream, a new version waits for an empty engine), lockstep (the old generator:
                whole batches of max_inflight sequences, updates between batches).
-    colocated  a synchronous (k = 0) job whose learner and one generator each get every core
-               (threads = cpu count). At k = 0 they take turns: one phase runs with all cores
-               while the other waits (blocked on the gate or on the stream, not spinning), as a
-               single-process trainer would, plus the weight broadcast between processes.
+    colocated  the baseline, a standard synchronous colocated trainer (TRL's, OpenRLHF's
+               colocated mode): a k = 0 job whose generator makes the whole learner batch in one
+               engine call (generator.schedule=lockstep, max_inflight = learner.batch_size) on
+               every core, then the learner trains on it on every core (threads = cpu count).
+               The phases take turns: one runs with all cores while the other waits (blocked on
+               the gate or on the stream, not spinning), plus the weight broadcast between them.
+    auto       with --auto K,..., a job with max_staleness=K and placement: auto, placed by the
+               stage costs the bounds measured before the settings (async_rlhf/placement.py).
 
 Reported per setting: trained samples/s and response tokens/s, generated tokens/s, generator
 idle fraction (of its engine loop's time, idle / (idle + engine steps + weight loads), over the
@@ -35,8 +39,14 @@ token), learner
 idle fraction (time waiting for a batch / window), weight-sync share of the step, staleness
 histogram, reward at the end (batch mean over the last quarter of steps), the policy curve (the
 mean reward of the samples each policy version generated, against the samples trained to make
-that version and the time it was made) and the fraction of min(bound_gen, bound_train) reached.
-Reward per sample compares the policy curves of k = 2 and k = 0 over the versions both reached.
+that version and the time it was made) and the fraction of min(bound_gen, bound_train) reached;
+and seconds from the command's start (the train process's) to the first learner step, to policy
+rewards 0.5, 0.8 and 0.9 on the policy curve (smoothed: bench_report.smoothed) and to the
+command's exit, with the job's start-up breakdown and shutdown time (its summary.json).
+"The baseline" is the strongest synchronous setting (the k = 0 run with the most samples/s);
+the verdicts are ratios against it. Reward per sample compares policy curves over the versions
+both runs reached (the best asynchronous run and the baseline; k = 2 and k = 0 per generator
+count).
 Writes OUT/bench.json, OUT/bench.md, OUT/bench.png; each job keeps its own directory under
 OUT/runs/.
 """
@@ -67,7 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="timed learner steps per setting (default: learner.steps)")
     parser.add_argument("--warmup", type=int, default=2, help="learner steps per setting not timed")
     parser.add_argument("--bound-steps", type=int, default=4, help="timed learner steps of the training bound")
-    parser.add_argument("--no-colocated", action="store_true", help="skip the colocated synchronous run")
+    parser.add_argument("--no-colocated", action="store_true",
+                        help="skip the colocated synchronous run (the baseline when it runs)")
+    parser.add_argument("--auto", default="", help="max_staleness values to run with placement: auto "
+                        "as well, placed by the stage bounds measured before the settings (e.g. 1,2)")
     parser.add_argument("--modes", default="", help="generator modes to compare, a comma list of "
                         f"{', '.join(MODES)} (default: the config's)")
     parser.add_argument("--worker", choices=["gen", "engine", "train"], help=argparse.SUPPRESS)  # internal
@@ -258,6 +271,9 @@ def best_bounds(measured: list[dict[str, Any]]) -> dict[str, Any]:
     bounds: dict[str, Any] = {stage: max((m[stage] for m in measured), key=lambda b: b["samples_per_s"])
                               for stage in ("gen", "engine", "train")}
     bounds["min_samples_per_s"] = min(bounds["gen"]["samples_per_s"], bounds["train"]["samples_per_s"])
+    # both stages' work packed on every core (each stage's core-seconds per sample from its bound)
+    bounds["packed_samples_per_s"] = (os.cpu_count() or 1) / sum(
+        bounds[stage]["threads"] / bounds[stage]["samples_per_s"] for stage in ("gen", "train"))
     # the generator's tokens/s against its engine's alone at the same sequences in flight
     bounds["gen_tokens_of_engine"] = bounds["gen"]["tokens_per_s"] / bounds["engine"]["tokens_per_s"]
     bounds["measurements"] = measured
@@ -265,12 +281,16 @@ def best_bounds(measured: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # -- settings: whole jobs ------------------------------------------------------------------
-def settings(args: argparse.Namespace, cfg) -> list[dict[str, Any]]:
+def settings(args: argparse.Namespace, cfg, bounds: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The jobs to run, each with the config overrides that make it. `bounds`: the stage bounds
+    measured so far, the costs the auto settings are placed by (else the config's stage_costs)."""
     cpus = os.cpu_count() or 1
     out = []
-    if not args.no_colocated:
+    if not args.no_colocated:  # the baseline: what a standard synchronous colocated trainer does
         out.append({"name": "colocated-k0-g1", "placement": "colocated", "max_staleness": 0,
-                    "generators": 1, "generator_threads": cpus, "learner_threads": cpus, "mode": ""})
+                    "generators": 1, "generator_threads": cpus, "learner_threads": cpus, "mode": "",
+                    "overrides": ["generator.schedule=lockstep", "generator.weight_updates=between_groups",
+                                  f"generator.max_inflight={cfg.learner.batch_size}"]})
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
@@ -281,33 +301,48 @@ def settings(args: argparse.Namespace, cfg) -> list[dict[str, Any]]:
                 out.append({"name": f"dedicated-k{k}-g{g}" + (f"-{mode}" if mode else ""),
                             "placement": "dedicated", "max_staleness": k, "generators": g,
                             "generator_threads": cfg.generator.threads,
-                            "learner_threads": cfg.learner.threads, "mode": mode})
+                            "learner_threads": cfg.learner.threads, "mode": mode,
+                            "overrides": [f"generator.schedule={MODES[mode][0]}",
+                                          f"generator.weight_updates={MODES[mode][1]}"] if mode else []})
     for s in out:
+        s["overrides"] = [f"max_staleness={s['max_staleness']}", f"generator.count={s['generators']}",
+                          f"generator.threads={s['generator_threads']}",
+                          f"learner.threads={s['learner_threads']}", *s["overrides"]]
         s["allocation"] = (f"{s['generators']} generator process(es) x {s['generator_threads']} thread(s) "
                            f"+ 1 learner process x {s['learner_threads']} thread(s) on {cpus} cores")
+    costs = ([f"stage_costs.generator_s={bounds['gen']['threads'] / bounds['gen']['samples_per_s']}",
+              f"stage_costs.learner_s={bounds['train']['threads'] / bounds['train']['samples_per_s']}"]
+             if bounds else [])
+    for k in _ints(args.auto, "auto") if args.auto else []:
+        out.append({"name": f"auto-k{k}", "placement": "auto", "max_staleness": k, "mode": "",
+                    "overrides": [f"max_staleness={k}", "placement=auto", *costs],
+                    "allocation": "placement: auto, from the stage bounds measured before"
+                                  if bounds else "placement: auto, from the config's stage_costs"})
     return out
 
 
 def run_setting(args: argparse.Namespace, s: dict[str, Any], out: Path, steps: int) -> Path:
     run_dir = out / "runs" / s["name"]
     argv = [sys.executable, "-m", "async_rlhf.cli", "train", "--config", args.config, *args.overrides,
-            f"job=bench-{s['name']}", f"out={run_dir}", f"max_staleness={s['max_staleness']}",
-            f"generator.count={s['generators']}", f"generator.threads={s['generator_threads']}",
-            f"learner.threads={s['learner_threads']}", f"learner.steps={args.warmup + steps}"]
-    if s["mode"]:
-        schedule, updates = MODES[s["mode"]]
-        argv += [f"generator.schedule={schedule}", f"generator.weight_updates={updates}"]
+            f"job=bench-{s['name']}", f"out={run_dir}", *s["overrides"],
+            f"learner.steps={args.warmup + steps}"]
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("metrics.jsonl", "summary.json"):  # a rerun into the same OUT starts afresh
         (run_dir / stale).unlink(missing_ok=True)
     s["load_before"] = _load()
     start = time.time()
     code = _spawn(argv, out / "runs" / f"{s['name']}.log", 1800)
-    s["job_wall_s"] = time.time() - start
+    s["job_wall_s"] = time.time() - start  # from the command to its exit
     s["load_after"] = _load()
     if code != 0:
         raise RuntimeError(f"setting {s['name']} failed (exit {code}); "
                            f"see {out / 'runs' / (s['name'] + '.log')}")
+    if s["placement"] == "auto":  # what the job chose
+        import yaml
+
+        placed = yaml.safe_load((run_dir / "config.yaml").read_text())
+        s.update(generators=placed["generator"]["count"], generator_threads=placed["generator"]["threads"],
+                 learner_threads=placed["learner"]["threads"], learner_ranks=placed["learner"]["ranks"])
     return run_dir
 
 
@@ -326,16 +361,20 @@ def run(args: argparse.Namespace) -> int:
     start = time.time()
     before = measure_bounds(args, out, "before")
     runs = []
-    for s in settings(args, cfg):
+    for s in settings(args, cfg, best_bounds([before])):
         print(f"setting {s['name']}: {s['allocation']} (load {_load()})", flush=True)
         run_dir = run_setting(args, s, out, steps)
         s.update(summarise(run_dir, args.warmup))
+        if s["placement"] == "auto":
+            s["allocation"] += f" ({s['placement_chosen']})"
         runs.append(s)
         print(f"  {s['samples_per_s']:.2f} samples/s, gen idle {s['gen_idle']:.0%} (mean "
               f"{s['gen_mean_inflight']:.1f} in flight, {s['gen_inflight_updates']} in-flight updates), "
               f"learner idle {s['learner_idle']:.0%}, staleness {s['staleness_hist']} (mean "
               f"{s['staleness_mean']:.2f}, per token {s['staleness_token_mean']:.2f}), reward "
-              f"{s['reward_final']:.3f}, load {s['load_before']}->{s['load_after']}", flush=True)
+              f"{s['reward_final']:.3f}, load {s['load_before']}->{s['load_after']}; from the command: "
+              f"first step {s['first_step_s']:.1f} s, reward 0.9 {s['reward_s']['0.9']} s, end "
+              f"{s['job_wall_s']:.1f} s, shutdown {s['shutdown_s']} s", flush=True)
     try:
         measured = [before, measure_bounds(args, out, "after")]
     except RuntimeError as e:  # the settings' results still count: report the first bounds

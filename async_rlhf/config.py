@@ -246,6 +246,22 @@ class LearnerConfig(_Section):
             _check(0 <= getattr(self, name) <= 1, "learner." + name, getattr(self, name), "in [0, 1]")
 
 
+@dataclass(frozen=True)
+class StageCosts(_Section):
+    """Device-seconds one stage spends per sample on one device (a CPU core running one thread,
+    or a GPU), which `placement: auto` sizes the stages from (async_rlhf/placement.py). The
+    defaults are the small preset on a 2-core CPU box (DESIGN.md): the learner ~5.4 s per 64
+    samples on one thread, vLLM ~1.3 s per 64 with 64 sequences in flight. `async-rlhf bench`
+    measures them (its stage bounds) for its auto settings."""
+
+    _prefix = "stage_costs."
+    generator_s: float = 0.02
+    learner_s: float = 0.084
+
+    def _validate(self) -> None:
+        self._positive("generator_s", "learner_s")
+
+
 def _default_rewards() -> tuple[RewardSpec, ...]:
     return (RewardSpec(kind="function", target="actors.tasks:score"),)
 
@@ -256,6 +272,10 @@ class Config(_Section):
     out: str = "runs/demo"
     seed: int = 0
     max_staleness: int = 2  # k: a trajectory may be at most k policy versions old when trained on
+    # manual: generator.count/threads and learner.ranks/threads as given; auto: sized from
+    # stage_costs to the machine (async_rlhf/placement.py), printed at start
+    placement: Literal["manual", "auto"] = "manual"
+    stage_costs: StageCosts = field(default_factory=StageCosts)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rewards: tuple[RewardSpec, ...] = field(default_factory=_default_rewards)
@@ -285,6 +305,7 @@ _SECTIONS: dict[str, type] = {
     "generator": GeneratorConfig,
     "queue": QueueConfig,
     "learner": LearnerConfig,
+    "stage_costs": StageCosts,
 }
 
 

@@ -84,6 +84,8 @@ class Job:
         self.learners: list[Any] = []
         self.tb = None
         self.startup: dict[str, float] = {}  # phase -> seconds since the command started
+        self.placement_line = ""  # what placement: auto chose, and why
+        self.summary: dict[str, Any] = {}  # summary.json: written at the end, then with shutdown_s
 
     def _mark(self, phase: str) -> None:
         from async_rlhf.procs import process_age_s
@@ -92,6 +94,11 @@ class Job:
 
     # -- setup and teardown ----------------------------------------------------------------
     def run(self) -> int:
+        from async_rlhf.placement import apply_placement
+        from async_rlhf.procs import process_age_s
+
+        gpus = _gpu_count()
+        self.cfg, self.placement_line = apply_placement(self.cfg, gpus or len(os.sched_getaffinity(0)), gpus > 0)
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         resolved = cfg.to_dict()
@@ -99,7 +106,9 @@ class Job:
             resolved["queue"]["redis_url"] = redact_url(cfg.queue.redis_url)
         (self.out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
         print(f"async-rlhf: job {cfg.job!r}, max_staleness={cfg.max_staleness}, out={self.out}")
-        self.start_time = time.time()
+        if self.placement_line:
+            print(self.placement_line, flush=True)
+        self.start_time = time.time() - process_age_s()  # times are the user's: since the command
         with ExitStack() as stack:
             try:  # a part that cannot start ends the job at once, with its cause and a summary
                 self._start_services(stack)
@@ -114,9 +123,14 @@ class Job:
                 code = 1
             stopping = time.monotonic()
             self._finish()
-        print(f"shut down in {time.monotonic() - stopping:.1f} s (checkpoint, export, generators, "
+        self.summary["shutdown_s"] = round(time.monotonic() - stopping, 1)
+        self._write_summary()
+        print(f"shut down in {self.summary['shutdown_s']:.1f} s (checkpoint, export, generators, "
               "Ray, Redis)")
         return code
+
+    def _write_summary(self) -> None:
+        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2, default=float))
 
     def _start_services(self, stack: ExitStack) -> None:
         """The model directory, Redis (embedded unless queue.redis_url) and the experience
@@ -512,14 +526,15 @@ class Job:
                 self.gen_stats[gid] = ray.get(handle.stop.remote(), timeout=120)
             except Exception as e:  # noqa: BLE001 - a dead generator must not block the summary
                 log.warning("stopping %s: %s", gid, e)
-        summary = self.queue.accounting() if self.queue is not None else {}
+        summary = self.summary = self.queue.accounting() if self.queue is not None else {}
         summary["generators"] = list(self.gen_stats.values())
-        summary["wall_s"] = time.time() - self.start_time
+        summary["wall_s"] = time.time() - self.start_time  # since the command, before Ray and Redis stop
         summary["redis_restarts"] = self.redis_restarts
         summary["startup"] = self.startup
+        summary["placement"] = self.placement_line or "manual"
         if self.error:
             summary["error"] = self.error
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+        self._write_summary()
         if self.tb is not None:
             self.tb.close()
         print("summary: " + ", ".join(f"{k}={summary[k]}" for k in ACCOUNTING if k in summary)
@@ -530,6 +545,10 @@ ACCOUNTING = ("produced", "foreign", "trained", "dropped_stale", "dead_lettered"
 
 
 def _has_gpu() -> bool:
+    return _gpu_count() > 0
+
+
+def _gpu_count() -> int:
     import torch
 
-    return torch.cuda.is_available()
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -1,6 +1,7 @@
-"""`async-rlhf bench` on a tiny configuration: it runs the stage bounds and two whole jobs
-(k = 0 and k = 2) and writes well-formed bench.json, bench.md and bench.png. Not a timing test:
-throughput figures are only checked to be positive and finite."""
+"""`async-rlhf bench` on a tiny configuration: it runs the stage bounds and three whole jobs
+(the colocated synchronous baseline, a dedicated k = 2 job and a k = 2 job with placement: auto)
+and writes well-formed bench.json, bench.md and bench.png. Not a timing test: throughput figures
+are only checked to be positive and finite."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ learner: {steps: 2, batch_size: 8, micro_batch: 8, wait_s: 120}
 
 RUN_KEYS = ("placement", "max_staleness", "generators", "samples_per_s", "tokens_per_s", "gen_idle",
             "learner_idle", "weight_sync_share", "reward_final", "staleness_hist", "allocation",
-            "staleness_mean", "staleness_token_mean", "gen_mean_inflight", "gen_inflight_updates", "mode")
+            "staleness_mean", "staleness_token_mean", "gen_mean_inflight", "gen_inflight_updates", "mode",
+            "first_step_s", "reward_s", "job_wall_s", "startup", "shutdown_s")
 
 
 def test_bench_tiny_writes_outputs(tmp_path: Path, tiny_actor_model: Path):
@@ -35,14 +37,19 @@ def test_bench_tiny_writes_outputs(tmp_path: Path, tiny_actor_model: Path):
     out = tmp_path / "bench"
     env = {**os.environ, "ASYNC_RLHF_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "async_rlhf.cli", "bench", "--config", str(config), "--out", str(out),
-           "--staleness", "0,2", "--generators", "1", "--no-colocated", "--steps", "2", "--warmup", "1",
+           "--staleness", "2", "--generators", "1", "--auto", "2", "--steps", "2", "--warmup", "1",
            "--bound-steps", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
 
     report = json.loads((out / "bench.json").read_text())
     assert [(r["placement"], r["max_staleness"], r["generators"]) for r in report["runs"]] == [
-        ("dedicated", 0, 1), ("dedicated", 2, 1)]
+        ("colocated", 0, 1), ("dedicated", 2, 1), ("auto", 2, 1)]
+    colocated, _, auto = report["runs"]
+    config = (out / "runs" / "colocated-k0-g1" / "config.yaml").read_text()
+    for line in ("schedule: lockstep", "max_inflight: 8", f"threads: {os.cpu_count()}"):
+        assert line in config, line  # the whole batch in one engine call, every core each phase
+    assert auto["placement_chosen"].startswith("placement auto: 1 generator(s)")
     for r in report["runs"]:
         for key in RUN_KEYS:
             assert key in r, key
@@ -55,6 +62,11 @@ def test_bench_tiny_writes_outputs(tmp_path: Path, tiny_actor_model: Path):
         assert 0 <= r["staleness_mean"] <= r["max_staleness"]
         assert 0 < r["gen_mean_inflight"] <= 8
         assert r["accounting"]["lost"] == 0
+        # seconds from the command: start-up phases in order, then the first step, then the exit
+        phases = list(r["startup"].values())
+        assert phases == sorted(phases) and r["startup"]["first_step"] == pytest.approx(r["first_step_s"], abs=0.2)
+        assert 0 < r["first_step_s"] < r["job_wall_s"] and 0 <= r["shutdown_s"] < r["job_wall_s"]
+        assert set(r["reward_s"]) == {"0.5", "0.8", "0.9"}
         curve = r["policy_curve"]  # one point per generating version, the first the initial policy
         assert curve[0]["version"] == 0 and curve[0]["samples"] == 0
         for a, b in zip(curve, curve[1:]):
@@ -65,13 +77,16 @@ def test_bench_tiny_writes_outputs(tmp_path: Path, tiny_actor_model: Path):
     assert bounds["min_samples_per_s"] == min(bounds["gen"]["samples_per_s"], bounds["train"]["samples_per_s"])
     assert bounds["engine"]["tokens_per_s"] > 0 and bounds["engine"]["inflight"] == 8
     assert bounds["gen_tokens_of_engine"] == bounds["gen"]["tokens_per_s"] / bounds["engine"]["tokens_per_s"]
-    assert {"speedup_vs_sync_same_placement", "fraction_of_bound", "reward_per_sample_k2_over_k0_g1"} <= set(
-        report["verdicts"])
+    verdicts = report["verdicts"]
+    assert verdicts["baseline"] == "colocated-k0-g1"
+    assert {"speedup_vs_baseline", "reward_0.9_speedup_vs_baseline", "reward_per_sample_vs_baseline",
+            "baseline_of_train_bound", "fraction_of_bound", "fraction_of_packed"} <= set(verdicts)
 
     table = (out / "bench.md").read_text()
-    assert "| dedicated-k0-g1 |" in table and "| dedicated-k2-g1 |" in table
+    assert "| colocated-k0-g1 (baseline) |" in table and "| dedicated-k2-g1 |" in table
+    assert "| auto-k2 |" in table
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for name in ("dedicated-k0-g1", "dedicated-k2-g1"):  # each setting is a whole job of its own
+    for name in ("colocated-k0-g1", "dedicated-k2-g1", "auto-k2"):  # each setting is a whole job of its own
         assert (out / "runs" / name / "summary.json").is_file()
 
 

@@ -1,0 +1,97 @@
+"""`placement: auto`: the learner's and the generators' share of the machine, from the stage costs.
+
+The rule, in device-seconds per sample (a device is a GPU, or a CPU core running one thread):
+generation costs c_gen on one device (at a full engine), training c_learn on one device. With
+n_gen generator devices and n_learn learner devices the job trains at most
+min(n_gen / c_gen, n_learn / c_learn) samples/s: the slower stage sets the rate, and the other
+idles for the rest.
+
+- Devices that cannot be shared (GPUs): split them, n_gen + n_learn = N, at the split that
+  maximises that rate (n_gen near N * c_gen / (c_gen + c_learn); whole engines of
+  generator.tensor_parallel devices; ties go to the learner). This is the decision AReaL's
+  allocation mode (`sglang.d6+fsdp.d2`) and verl's resource pools leave to the user: here it
+  comes from the costs.
+- Devices that can be shared (CPU cores, which the OS time-shares between processes): the same
+  split would leave the idle stage's cores idle (on 2 cores, with the learner 4x the cost of
+  generation, the generator's core idles ~3/4 of the time). So the generators keep their share
+  (rounded up, at least one engine), and the learner gets every core as data-parallel ranks of
+  one thread each (ranks scale on CPU; a rank's extra threads gain little on small matrices:
+  DESIGN.md): the learner runs wherever the generators leave a core idle, and a generator that
+  waits on the staleness gate sleeps, yielding its core. Throughput is then bounded by
+  N / (c_gen + c_learn), the perfect packing of both stages' work on the machine.
+  The ranks are the largest divisor of the batch's micro-batches that fits the cores; the cores
+  left over go to each rank as threads.
+
+Costs come from the config (`stage_costs`: defaults measured on the small preset, DESIGN.md) or
+from measurement (`async-rlhf bench` passes its stage bounds to its auto settings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from async_rlhf.config import Config
+
+
+@dataclass(frozen=True)
+class Placement:
+    gen_devices: int  # devices (CPU: cores, one thread each) the generators use
+    learner_devices: int  # devices the learner's ranks use
+    samples_per_s: float  # the rule's prediction: the bound it sizes for
+    why: str
+
+
+def choose_placement(devices: int, gen_s: float, learn_s: float, *, shared: bool,
+                     gen_unit: int = 1) -> Placement:
+    """Generator and learner devices for `devices` devices, given each stage's device-seconds
+    per sample on one device (`gen_s`, `learn_s`); `shared`: the OS time-shares them (CPU
+    cores); `gen_unit`: devices per generator engine (tensor parallel). See the module doc."""
+    if gen_s <= 0 or learn_s <= 0:
+        raise ValueError(f"stage costs must be > 0 seconds per sample, got generator {gen_s!r} and "
+                         f"learner {learn_s!r}: set stage_costs.generator_s and stage_costs.learner_s")
+    if devices < gen_unit + (0 if shared else 1):
+        raise ValueError(f"placement: auto needs at least {gen_unit + (0 if shared else 1)} device(s) "
+                         f"(a generator of {gen_unit} and, unless shared, one for the learner), got {devices}")
+    gen_share = gen_s / (gen_s + learn_s)
+    if shared:
+        n_gen = min(devices, gen_unit * max(1, math.ceil(devices * gen_share / gen_unit)))
+        rate = min(devices / (gen_s + learn_s), n_gen / gen_s)
+        why = (f"{devices} shared cores; generation costs {gen_share:.0%} of the work "
+               f"({gen_s * 1000:.1f} vs learner {learn_s * 1000:.1f} ms per sample on one core): "
+               f"generators on {n_gen} core(s), the learner on all {devices} (it runs where they idle); "
+               f"bound {rate:.1f} samples/s (both stages packed on the machine)")
+        return Placement(n_gen, devices, rate, why)
+    splits = range(gen_unit, devices, gen_unit)
+    n_gen = max(splits, key=lambda g: (min(g / gen_s, (devices - g) / learn_s), -g))
+    rate = min(n_gen / gen_s, (devices - n_gen) / learn_s)
+    why = (f"{devices} devices; generation costs {gen_share:.0%} of the work ({gen_s * 1000:.1f} vs "
+           f"learner {learn_s * 1000:.1f} ms per sample on one device): {n_gen} for generators, "
+           f"{devices - n_gen} for the learner; bound {rate:.1f} samples/s")
+    return Placement(n_gen, devices - n_gen, rate, why)
+
+
+def apply_placement(cfg: Config, devices: int, gpu: bool) -> tuple[Config, str]:
+    """`cfg` with generator.count/threads and learner.ranks/threads set by the rule (unchanged
+    unless cfg.placement is auto), and a line saying what was chosen and why."""
+    if cfg.placement != "auto":
+        return cfg, ""
+    g, learner = cfg.generator, cfg.learner
+    unit = g.tensor_parallel if gpu else 1
+    p = choose_placement(devices, cfg.stage_costs.generator_s, cfg.stage_costs.learner_s,
+                         shared=not gpu, gen_unit=unit)
+    micro_batches = learner.batch_size // (learner.micro_batch * learner.minibatches)
+    ranks = max(r for r in range(1, p.learner_devices + 1) if micro_batches % r == 0)
+    threads = 1 if gpu else p.learner_devices // ranks
+    if gpu and ranks != p.learner_devices:
+        raise ValueError(f"placement: auto gives the learner {p.learner_devices} GPUs, but the batch "
+                         f"has {micro_batches} micro-batches, which do not split over them: make "
+                         f"learner.batch_size a multiple of learner.micro_batch x {p.learner_devices}")
+    cfg = dataclasses.replace(
+        cfg, generator=dataclasses.replace(g, count=p.gen_devices // unit, threads=1),
+        learner=dataclasses.replace(learner, ranks=ranks, threads=threads))
+    chosen = (f"placement auto: {cfg.generator.count} generator(s) x {unit} "
+              f"{'GPU' if gpu else 'thread'}(s), learner {ranks} rank(s) x "
+              f"{'1 GPU' if gpu else f'{threads} thread(s)'}; {p.why}")
+    return cfg, chosen
