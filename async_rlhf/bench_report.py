@@ -122,7 +122,8 @@ def verdicts(runs: list[dict], bounds: dict) -> dict[str, Any]:
         v["speedup_vs_baseline"] = best["samples_per_s"] / base["samples_per_s"]
         t_best, t_base = best["reward_s"]["0.9"], base["reward_s"]["0.9"]
         v["reward_0.9_speedup_vs_baseline"] = t_base / t_best if t_best and t_base else None
-        v["reward_per_sample_vs_baseline"] = _ratio(_reward_per_sample(best, base), _reward_per_sample(base, best))
+        v["reward_per_sample_vs_baseline"] = _ratio(_reward_per_sample(best, base),
+                                                    _reward_per_sample(base, best))
     if best:
         v["fraction_of_bound"] = best["samples_per_s"] / bounds["min_samples_per_s"]
         v["fraction_of_packed"] = best["samples_per_s"] / bounds["packed_samples_per_s"]
@@ -206,8 +207,9 @@ def _from_the_command(report: dict) -> list[str]:
     targets = [str(t) for t in REWARD_TARGETS]
     lines = [f"The baseline is the strongest synchronous setting: {base['name'] if base else '-'}. Times "
              "are seconds from the command's start; (Nx): how many times faster than the baseline (its "
-             "time over the setting's; the setting's rate over its). Policy rewards are read on the policy curve, each policy's mean reward "
-             "smoothed with its neighbours' (versions v-1..v+1, weighted by the samples each generated).",
+             "time over the setting's; the setting's rate over its). Policy rewards are read on the "
+             "policy curve, each policy's mean reward smoothed with its neighbours' (versions "
+             "v-1..v+1, weighted by the samples each generated).",
              "", "| setting | samples/s | first step | " + " | ".join(f"reward {t}" for t in targets)
              + " | end | start-up (seconds since the command) | shutdown |",
              "|---|---|---|" + "---|" * len(targets) + "---|---|---|"]

@@ -98,7 +98,8 @@ class Job:
         from async_rlhf.procs import process_age_s
 
         gpus = _gpu_count()
-        self.cfg, self.placement_line = apply_placement(self.cfg, gpus or len(os.sched_getaffinity(0)), gpus > 0)
+        devices = gpus or len(os.sched_getaffinity(0))
+        self.cfg, self.placement_line = apply_placement(self.cfg, devices, gpu=gpus > 0)
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         resolved = cfg.to_dict()

@@ -53,7 +53,8 @@ def choose_placement(devices: int, gen_s: float, learn_s: float, *, shared: bool
                          f"learner {learn_s!r}: set stage_costs.generator_s and stage_costs.learner_s")
     if devices < gen_unit + (0 if shared else 1):
         raise ValueError(f"placement: auto needs at least {gen_unit + (0 if shared else 1)} device(s) "
-                         f"(a generator of {gen_unit} and, unless shared, one for the learner), got {devices}")
+                         f"(a generator of {gen_unit} and, unless shared, one for the learner), "
+                         f"got {devices}")
     gen_share = gen_s / (gen_s + learn_s)
     if shared:
         n_gen = min(devices, gen_unit * max(1, math.ceil(devices * gen_share / gen_unit)))
