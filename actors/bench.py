@@ -106,7 +106,7 @@ def _time_weight_update(engine, model_path: str) -> float:
 
 
 def _spawn(args: argparse.Namespace, engine: str, hf_threads: str) -> dict:
-    argv = [sys.executable, "-m", "async_rlhf.cli", "bench-gen", "--worker", engine,
+    argv = [sys.executable, "-m", "async_rlhf.launch.cli", "bench-gen", "--worker", engine,
             "--hf-threads", hf_threads]
     for key in ("preset", "model", "prompts", "max_new_tokens", "temperature", "vllm_threads",
                 "repeats", "task"):

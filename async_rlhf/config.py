@@ -249,7 +249,7 @@ class LearnerConfig(_Section):
 @dataclass(frozen=True)
 class StageCosts(_Section):
     """Device-seconds one stage spends per sample on one device (a CPU core running one thread,
-    or a GPU), which `placement: auto` sizes the stages from (async_rlhf/placement.py). The
+    or a GPU), which `placement: auto` sizes the stages from (async_rlhf/launch/placement.py). The
     defaults are the small preset on a 2-core CPU box (DESIGN.md): the learner ~5.4 s per 64
     samples on one thread, vLLM ~1.3 s per 64 with 64 sequences in flight. `async-rlhf bench`
     measures them (its stage bounds) for its auto settings."""
@@ -273,7 +273,7 @@ class Config(_Section):
     seed: int = 0
     max_staleness: int = 2  # k: a trajectory may be at most k policy versions old when trained on
     # manual: generator.count/threads and learner.ranks/threads as given; auto: sized from
-    # stage_costs to the machine (async_rlhf/placement.py), printed at start
+    # stage_costs to the machine (async_rlhf/launch/placement.py), printed at start
     placement: Literal["manual", "auto"] = "manual"
     stage_costs: StageCosts = field(default_factory=StageCosts)
     model: ModelConfig = field(default_factory=ModelConfig)

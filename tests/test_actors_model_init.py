@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.model_init import CHARACTERS, build_model, ensure_model, init_model
-from async_rlhf.cli import main
+from async_rlhf.launch.cli import main
 
 
 def _params(model) -> int:

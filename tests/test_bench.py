@@ -36,7 +36,7 @@ def test_bench_tiny_writes_outputs(tmp_path: Path, tiny_actor_model: Path):
     config.write_text(TINY.replace("MODEL", str(tiny_actor_model)))
     out = tmp_path / "bench"
     env = {**os.environ, "ASYNC_RLHF_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "async_rlhf.cli", "bench", "--config", str(config), "--out", str(out),
+    cmd = [sys.executable, "-m", "async_rlhf.launch.cli", "bench", "--config", str(config), "--out", str(out),
            "--staleness", "2", "--generators", "1", "--auto", "2", "--steps", "2", "--warmup", "1",
            "--bound-steps", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -94,7 +94,7 @@ def test_bench_modes_are_generator_settings(tmp_path: Path):
     """--modes runs each dedicated setting once per generator mode, with that mode's config."""
     import argparse
 
-    from async_rlhf.bench import MODES, add_arguments, settings
+    from async_rlhf.launch.bench import MODES, add_arguments, settings
     from async_rlhf.config import Config, GeneratorConfig
 
     parser = argparse.ArgumentParser()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from async_rlhf.cluster import (
+from async_rlhf.launch.cluster import (
     JobNotFoundError,
     connect,
     read_job_info,
@@ -44,7 +44,7 @@ def test_job_registry_roundtrip_mode_and_missing(tmp_path, monkeypatch):
 SECOND_DRIVER = """
 import sys, time, json
 t0 = time.perf_counter()
-from async_rlhf.cluster import connect
+from async_rlhf.launch.cluster import connect
 import ray
 connect(sys.argv[1], namespace="job-a", token_path=sys.argv[2] if len(sys.argv) > 2 else None)
 t1 = time.perf_counter()
@@ -160,7 +160,7 @@ def test_cluster_second_driver_and_worker_node(tmp_path):
 
 LAUNCHER = """
 import sys
-from async_rlhf.cluster import start_local_cluster
+from async_rlhf.launch.cluster import start_local_cluster
 cluster = start_local_cluster(num_cpus=1)
 print(cluster.pid, cluster.temp_dir, flush=True)
 sys.stdin.read()
@@ -170,7 +170,7 @@ sys.stdin.read()
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_cluster_dies_with_a_killed_launcher():
-    from async_rlhf.cluster import session_pids
+    from async_rlhf.launch.cluster import session_pids
 
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True)

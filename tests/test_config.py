@@ -1,6 +1,6 @@
 import pytest
 
-from async_rlhf.cli import COMMANDS, main
+from async_rlhf.launch.cli import COMMANDS, main
 from async_rlhf.config import Config, ConfigError, load_config, parse_override
 
 
@@ -89,7 +89,7 @@ def test_cli_help_lists_commands(capsys):
 
 
 def test_cli_overrides_may_come_between_flags():
-    from async_rlhf.cli import config_from_args, parse
+    from async_rlhf.launch.cli import config_from_args, parse
 
     args, _ = parse(["train", "learner.steps=3", "--max-staleness", "1", "generator.count=2"])
     cfg = config_from_args(args)

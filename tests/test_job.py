@@ -36,7 +36,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 def _train(tmp_path: Path, model_dir: Path, name: str, *overrides: str) -> subprocess.Popen:
     out = tmp_path / name
-    cmd = [sys.executable, "-m", "async_rlhf.cli", "train", "--job", name, "--out", str(out),
+    cmd = [sys.executable, "-m", "async_rlhf.launch.cli", "train", "--job", name, "--out", str(out),
            f"model.path={model_dir}", *TINY, *overrides]
     log = (tmp_path / f"{name}.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(tmp_path))
@@ -55,7 +55,7 @@ def _finish(tmp_path: Path, name: str, proc: subprocess.Popen, timeout_s: float 
 
 
 def _cli(tmp_path: Path, *args: str, timeout_s: float = 120) -> str:
-    done = subprocess.run([sys.executable, "-m", "async_rlhf.cli", *args], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "async_rlhf.launch.cli", *args], capture_output=True,
                           text=True, env=_env(tmp_path), timeout=timeout_s)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
@@ -232,12 +232,12 @@ def test_killed_redis_is_restarted_and_a_durable_stream_loses_nothing(tmp_path, 
 
 
 def _cli_result(tmp_path: Path, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "async_rlhf.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "async_rlhf.launch.cli", *args], capture_output=True,
                           text=True, env=_env(tmp_path), timeout=timeout_s)
 
 
 def test_add_generators_on_this_machine_and_on_a_second_node(tmp_path, tiny_actor_model):
-    from async_rlhf import cluster
+    from async_rlhf.launch import cluster
 
     name = "grow"
     proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "max_staleness=1")
@@ -298,7 +298,7 @@ def test_a_reward_that_fails_now_and_then_never_splits_a_group(tmp_path, tiny_ac
     name = "flaky"
     out = tmp_path / name
     env = {**_env(tmp_path), "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    cmd = [sys.executable, "-m", "async_rlhf.cli", "train", "--job", name, "--out", str(out),
+    cmd = [sys.executable, "-m", "async_rlhf.launch.cli", "train", "--job", name, "--out", str(out),
            f"model.path={tiny_actor_model}", *TINY, "learner.steps=12", "max_staleness=1",
            "rewards=[{kind: function, target: 'flaky_reward:flaky'}]"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -330,7 +330,7 @@ def test_job_whose_ray_head_cannot_start_fails_fast(tmp_path, tiny_actor_model):
     out = tmp_path / name
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "async_rlhf.cli", "train", "--job", name, "--out", str(out),
+        [sys.executable, "-m", "async_rlhf.launch.cli", "train", "--job", name, "--out", str(out),
          f"model.path={tiny_actor_model}", *TINY], capture_output=True, text=True, timeout=120,
         env={**_env(tmp_path), "RAY_ROTATION_MAX_BYTES": "not-a-number"})
     elapsed = time.monotonic() - start

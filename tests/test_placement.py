@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from async_rlhf.config import ConfigError, load_config
-from async_rlhf.placement import apply_placement, choose_placement
+from async_rlhf.launch.placement import apply_placement, choose_placement
 
 
 def test_shared_cores_learner_everywhere_generators_their_share():

@@ -47,7 +47,7 @@ def test_a_step_that_reuses_samples_moves_the_rest_back():
 
 
 def test_resumed_gate_holds_the_slots_of_entries_carried_in_the_stream():
-    from async_rlhf.roles import Coordinator
+    from async_rlhf.launch.roles import Coordinator
 
     # Killed at version 0 with 128 samples in the stream (more than the gate's 40 slots):
     # nothing new is admitted while they come first, and dropping all of them is no error.

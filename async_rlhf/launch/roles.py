@@ -6,7 +6,7 @@
   of the current membership epoch.
 - LearnerWorker: one learner rank (learners.learner) and, on rank 0, the weight broadcaster.
 
-This is the one module besides the launcher that imports actors/, learners/ and buffer/.
+Part of the wiring (async_rlhf.launch), the one layer that imports actors/, learners/ and buffer/.
 """
 
 from __future__ import annotations

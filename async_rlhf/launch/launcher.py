@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from async_rlhf.cli import add_config_arguments, config_from_args
+from async_rlhf.launch.cli import add_config_arguments, config_from_args
 from async_rlhf.config import Config, redact_url
 from buffer.redis_stream import RedisExperienceQueue, not_trained
 
@@ -94,7 +94,7 @@ class Job:
 
     # -- setup and teardown ----------------------------------------------------------------
     def run(self) -> int:
-        from async_rlhf.placement import apply_placement
+        from async_rlhf.launch.placement import apply_placement
         from async_rlhf.procs import process_age_s
 
         gpus = _gpu_count()
@@ -180,7 +180,7 @@ class Job:
 
     def _launch_head(self) -> None:
         """Start a local Ray head for this job, without waiting for it (none with --ray-address)."""
-        from async_rlhf import cluster
+        from async_rlhf.launch import cluster
 
         if self.ray_address:
             return
@@ -192,7 +192,7 @@ class Job:
     def _connect_ray(self) -> None:
         import ray
 
-        from async_rlhf import cluster
+        from async_rlhf.launch import cluster
 
         address = self.ray_address or self.cluster.address
         token_path = None if self.cluster is None else str(self.cluster.token_path)
@@ -204,7 +204,7 @@ class Job:
         })
 
     def _shutdown_ray(self) -> None:
-        from async_rlhf import cluster
+        from async_rlhf.launch import cluster
 
         cluster.remove_job_info(self.cfg.job)
         if self.ray is not None:
@@ -215,7 +215,7 @@ class Job:
     def _start_actors(self) -> None:
         """The coordinator, then the learner ranks and the generators at once, so that DeepSpeed
         and vLLM start side by side; the gate starts at the version the learner resumes from."""
-        from async_rlhf.roles import Coordinator
+        from async_rlhf.launch.roles import Coordinator
         from learners.learner import checkpoint_version
 
         cfg = self.cfg
@@ -234,7 +234,7 @@ class Job:
     def _start_learners(self, resume: bool) -> None:
         """Start the learner ranks (from the newest checkpoint when `resume`)."""
         from async_rlhf.procs import free_port
-        from async_rlhf.roles import LearnerWorker
+        from async_rlhf.launch.roles import LearnerWorker
 
         ray, cfg = self.ray, self.cfg
         # max_concurrency 2: open_epoch runs while a step waits for the samples it will bring
@@ -276,7 +276,7 @@ class Job:
     def _add_generator(self, resources: dict[str, float], index: int | None = None) -> str:
         """Start generator number `index` (default: a new one) with its own prompt stream;
         returns its id."""
-        from async_rlhf.roles import GeneratorWorker
+        from async_rlhf.launch.roles import GeneratorWorker
 
         if index is None:
             index, self.next_index = self.next_index, self.next_index + 1

@@ -29,7 +29,7 @@ step W to the end of the last step.
                The phases take turns: one runs with all cores while the other waits (blocked on
                the gate or on the stream, not spinning), plus the weight broadcast between them.
     auto       with --auto K,..., a job with max_staleness=K and placement: auto, placed by the
-               stage costs the bounds measured before the settings (async_rlhf/placement.py).
+               stage costs the bounds measured before the settings (async_rlhf/launch/placement.py).
 
 Reported per setting: trained samples/s and response tokens/s, generated tokens/s, generator
 idle fraction (of its engine loop's time, idle / (idle + engine steps + weight loads), over the
@@ -62,7 +62,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from async_rlhf.bench_report import plot, summarise, verdicts, write_markdown
+from async_rlhf.launch.bench_report import plot, summarise, verdicts, write_markdown
 
 # generator.schedule and generator.weight_updates of each --modes name
 MODES = {"inflight": ("stream", "inflight"), "between_groups": ("stream", "between_groups"),
@@ -244,7 +244,7 @@ def measure_bounds(args: argparse.Namespace, out: Path, when: str) -> dict[str, 
     """Each stage alone, in a fresh process, into OUT/bounds/WHEN/."""
     from buffer.redis_server import EmbeddedRedis
 
-    base = [sys.executable, "-m", "async_rlhf.cli", "bench", "--config", args.config, "--out", str(out),
+    base = [sys.executable, "-m", "async_rlhf.launch.cli", "bench", "--config", args.config, "--out", str(out),
             "--warmup", str(args.warmup), "--bound-steps", str(args.bound_steps), *args.overrides]
     bounds: dict[str, Any] = {}
     where = out / "bounds" / when
@@ -323,7 +323,7 @@ def settings(args: argparse.Namespace, cfg, bounds: dict[str, Any] | None = None
 
 def run_setting(args: argparse.Namespace, s: dict[str, Any], out: Path, steps: int) -> Path:
     run_dir = out / "runs" / s["name"]
-    argv = [sys.executable, "-m", "async_rlhf.cli", "train", "--config", args.config, *args.overrides,
+    argv = [sys.executable, "-m", "async_rlhf.launch.cli", "train", "--config", args.config, *args.overrides,
             f"job=bench-{s['name']}", f"out={run_dir}", *s["overrides"],
             f"learner.steps={args.warmup + steps}"]
     run_dir.mkdir(parents=True, exist_ok=True)

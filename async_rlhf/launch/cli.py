@@ -14,15 +14,15 @@ from collections.abc import Callable
 
 # name -> (module, one-line help, function suffix or "")
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "train": ("async_rlhf.launcher", "run a training job (generators + learner + Redis stream)", ""),
-    "status": ("async_rlhf.jobctl", "show a running job: generators, learner, queue", "status"),
-    "add-generators": ("async_rlhf.jobctl", "add generators to a running job", "generators"),
-    "stop": ("async_rlhf.jobctl", "stop a running job cleanly after its current step", "stop"),
+    "train": ("async_rlhf.launch.launcher", "run a training job (generators + learner + Redis stream)", ""),
+    "status": ("async_rlhf.launch.jobctl", "show a running job: generators, learner, queue", "status"),
+    "add-generators": ("async_rlhf.launch.jobctl", "add generators to a running job", "generators"),
+    "stop": ("async_rlhf.launch.jobctl", "stop a running job cleanly after its current step", "stop"),
     "init-model": ("actors.model_init", "build a random-init Llama-style model and tokenizer offline", ""),
     "bench-queue": ("buffer.bench", "experience-stream throughput vs raw redis-py", ""),
     "bench-gen": ("actors.bench", "generation throughput: vLLM engine vs transformers", ""),
     "bench-learner": ("learners.bench", "learner throughput and time split", ""),
-    "bench": ("async_rlhf.bench", "async vs sync training throughput, stage bounds, idle and staleness", ""),
+    "bench": ("async_rlhf.launch.bench", "async vs sync training throughput, stage bounds, idle and staleness", ""),
 }
 
 

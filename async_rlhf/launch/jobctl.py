@@ -13,7 +13,7 @@ from typing import Any
 def _coordinator(job: str):
     import ray
 
-    from async_rlhf import cluster
+    from async_rlhf.launch import cluster
 
     info = cluster.read_job_info(job)
     cluster.connect(info["ray_address"], namespace=info["namespace"], token_path=info["ray_token_path"])
@@ -100,7 +100,7 @@ def run_generators(args: argparse.Namespace) -> int:
     if args.count <= 0:
         print(f"--count must be > 0, got {args.count}", file=sys.stderr)
         return 2
-    from async_rlhf.roles import SETTLED
+    from async_rlhf.launch.roles import SETTLED
 
     _, coordinator = _coordinator(args.job)
     ids = ray.get(coordinator.request_generators.remote(args.count, args.resources))
