@@ -32,7 +32,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -65,12 +65,12 @@ class Learner:
     max_staleness: k; groups with version - policy_version (their oldest member's) > k are acked
     "dropped_stale". group_size: the generators' samples per prompt; cfg.batch_size must be a
     multiple of it, and a group of another size is rejected (dead-lettered as "group_size").
-    queue, replay, publisher: rank 0 only (None elsewhere); without a publisher no weights are
-    gathered. ckpt_dir: where checkpoints go and where `resume()` looks. on_metrics: called with
-    each step's metrics on rank 0. Every rank calls step()/train(), resume(), save_checkpoint()
-    and publish_weights() together (they are collective). `counters` (count_* in the metrics):
-    samples and tokens count samples; groups, dropped_stale, rejected_<reason>, lost_to_reclaim
-    and trained_first_use count groups (stream entries).
+    queue, replay, publisher: rank 0 only (None elsewhere); the replay holds what it hands out
+    to the same max_staleness (it evicts the rest); without a publisher no weights are gathered.
+    ckpt_dir: where checkpoints go and where `resume()` looks. Every rank calls step()/train(),
+    resume(), save_checkpoint() and publish_weights() together (they are collective).
+    `counters` (count_* in the metrics): samples and tokens count samples; groups,
+    dropped_stale, rejected_<reason>, lost_to_reclaim and trained_first_use count groups.
     """
 
     def __init__(
@@ -84,7 +84,6 @@ class Learner:
         replay: ReplayBuffer | None = None,
         publisher: WeightPublisher | None = None,
         ckpt_dir: str | os.PathLike | None = None,
-        on_metrics: Callable[[dict], None] | None = None,
     ):
         self.cfg, self.backend = cfg, backend
         self.rank, self.world = backend.rank, backend.world_size
@@ -96,7 +95,6 @@ class Learner:
         self.max_staleness, self.group_size = max_staleness, group_size
         self.queue, self.replay, self.publisher = queue, replay, publisher
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir else None
-        self.on_metrics = on_metrics
         self.version = 0
         self._saved_version = -1  # the version of the newest checkpoint written or loaded
         self._last_progress = time.monotonic()  # when data last arrived (learner.wait_s)
@@ -173,8 +171,6 @@ class Learner:
             **{f"time_{k}": v for k, v in timing.items()},
             **{f"count_{k}": v for k, v in self.counters.items()},
         }
-        if self.rank == 0 and self.on_metrics is not None:
-            self.on_metrics(metrics)
         return metrics
 
     def publish_weights(self, timing: collections.Counter | None = None) -> None:
@@ -205,15 +201,8 @@ class Learner:
             for entry_id, reason in draw.dropped:
                 self.queue.ack([entry_id], reason=reason)
                 self.counters[reason] += 1
-            firsts = set(draw.first_use)
-            for r in draw.items:
-                if self.version - r.group.policy_version > self.max_staleness:
-                    if r.entry_id in firsts:  # the replay should not hand these out; drop anyway
-                        self._drop(r.entry_id, "dropped_stale")
-                    continue
-                items.append(r)
-                if r.entry_id in firsts:
-                    first_use.append(r.entry_id)
+            items += draw.items  # within the staleness bound: the replay evicted the rest
+            first_use += draw.first_use
             if fresh or draw.items:
                 self.keep_waiting()
             elif time.monotonic() - self._last_progress > self.cfg.wait_s:
