@@ -144,6 +144,10 @@ class GeneratorConfig(_Section):
     # until the engine is empty (no admission meanwhile), so one version samples all of a group.
     weight_updates: Literal["inflight", "between_groups"] = "inflight"
     max_new_tokens: int = 16
+    # Stop sequences: a response also ends (besides at EOS or an end-of-turn token) at the token
+    # that completes one of these in its text. That token is kept, trained on and has its
+    # log-prob; the text rewards get ends before the stop string (vLLM's stop).
+    stop: tuple[str, ...] = ()
     temperature: float = 1.0
     top_p: float = 1.0
     threads: int = 1
@@ -154,6 +158,8 @@ class GeneratorConfig(_Section):
         _check(self.max_restarts >= 0, "generator.max_restarts", self.max_restarts, ">= 0")
         self._positive("count", "group_size", "max_new_tokens", "threads")
         self._positive("temperature", "tensor_parallel")
+        _check(all(self.stop), "generator.stop", list(self.stop),
+               "a list of non-empty strings (an empty one would stop every response at once)")
         _check(self.max_inflight >= self.group_size, "generator.max_inflight", self.max_inflight,
                f">= generator.group_size ({self.group_size}): the engine holds whole groups")
         # The learner recomputes log-probs over the whole vocabulary; nucleus sampling would

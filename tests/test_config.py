@@ -13,8 +13,10 @@ def test_defaults_are_valid():
 def test_yaml_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("max_staleness: 1\nlearner:\n  lr: 3.0e-4\n  zero_stage: 2\n")
-    cfg = load_config(path, ["learner.lr=1e-5", "generator.engine=hf", "queue.redis_url=redis://h:1"])
+    cfg = load_config(path, ["learner.lr=1e-5", "generator.engine=hf", "queue.redis_url=redis://h:1",
+                             'generator.stop=["\\n\\n", "User:"]'])
     assert cfg.max_staleness == 1
+    assert cfg.generator.stop == ("\n\n", "User:")
     assert cfg.learner.lr == 1e-5 and cfg.learner.zero_stage == 2
     assert cfg.generator.engine == "hf"
     assert cfg.queue.redis_url == "redis://h:1"
@@ -53,6 +55,9 @@ def test_rewards_list(tmp_path):
         ("generator.max_inflight=2", "generator.max_inflight must be >= generator.group_size (4)"),
         ("generator.schedule=batch", "generator.schedule must be one of 'stream', 'lockstep'"),
         ("generator.weight_updates=never", "generator.weight_updates must be one of 'inflight'"),
+        ('generator.stop="###"', "generator.stop must be a list, got '###'"),
+        ('generator.stop=["###", ""]', "generator.stop must be a list of non-empty strings"),
+        ("generator.stop=[3]", "generator.stop[0] must be of type str, got 3"),
         ("generator.prompts_per_batch=8", "generator.prompts_per_batch is retired: generators stream"),
         ("learner=3", "learner. must be a mapping, got 3"),
     ],
