@@ -61,7 +61,7 @@ class Sample:
 
     response_ids: np.ndarray  # int32 [T]
     behavior_logprobs: np.ndarray  # float32 [T]
-    finished: bool  # ended with EOS (False: cut at max_new_tokens)
+    finished: bool  # ended by EOS, an end-of-turn token or a stop string (False: cut at max_new_tokens)
     version_spans: VersionSpans  # the weights that sampled its tokens, as in Trajectory
     text: str = ""
 

@@ -14,6 +14,7 @@ def make_engine(
     """The engine `cfg.engine` names, set up with cfg's sampling settings and threads."""
     common = dict(
         max_new_tokens=cfg.max_new_tokens,
+        stop=cfg.stop,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         threads=cfg.threads,

@@ -9,6 +9,15 @@ weights change only between those batches.
 Log-probs come from `generate`'s processed scores: log_softmax of the logits after temperature
 and, when top_p < 1, the top-p mask, i.e. the distribution each token was sampled from, the same
 convention as the vLLM engine (see vllm_engine.py for what top_p < 1 means to the learner).
+
+Ends of a response, as in the vLLM engine: the EOS token and the generation config's other end
+tokens (a chat model's end-of-turn token) end it, kept in the ids and log-probs, not written in
+the text. Stop strings (generator.stop) follow vLLM's rule, not transformers' `stop_strings`
+(whose StopStringCriteria matches token strings over the whole sequence, prompt included, so it
+could end a response where vLLM would not): a row ends at the first token after which its
+response's decoded text holds a stop string; that token is kept with its log-prob, and the text
+ends before the stop string (the earliest-completing one). The criterion records the length at
+which each row ended, so nothing has to be guessed from the padding after it.
 """
 
 from __future__ import annotations
@@ -18,8 +27,36 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from async_rlhf.types import Prompt, Sample, VersionSpans
+
+
+def _before_stop(text: str, stop: Sequence[str]) -> str | None:
+    """`text` cut before the stop string that completes first in it (ties: the first listed, as
+    vLLM picks), or None when it holds none."""
+    found = [(text.find(s) + len(s), i) for i, s in enumerate(stop) if s in text]
+    if not found:
+        return None
+    end, i = min(found)
+    return text[: end - len(stop[i])]
+
+
+class _StopStrings(StoppingCriteria):
+    """Ends a row of `generate` once its response (tokens after column `width`) decodes to text
+    holding a stop string; `lengths[row]` is then its response length."""
+
+    def __init__(self, tokenizer, stop: Sequence[str], width: int):
+        self.tokenizer, self.stop, self.width = tokenizer, stop, width
+        self.lengths: dict[int, int] = {}
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        for row, ids in enumerate(input_ids):
+            if row not in self.lengths:
+                text = self.tokenizer.decode(ids[self.width:], skip_special_tokens=True)
+                if _before_stop(text, self.stop) is not None:
+                    self.lengths[row] = len(ids) - self.width
+        return torch.tensor([row in self.lengths for row in range(len(input_ids))], device=input_ids.device)
 
 
 class HFEngine:
@@ -28,6 +65,7 @@ class HFEngine:
         model_path: str | Path,
         *,
         max_new_tokens: int = 16,
+        stop: Sequence[str] = (),
         temperature: float = 1.0,
         top_p: float = 1.0,
         threads: int = 1,
@@ -43,10 +81,14 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.model.to(self.device).eval()
         self.max_new_tokens = max_new_tokens
+        self.stop = tuple(stop)
         self.temperature = temperature
         self.top_p = top_p
         self.threads = threads
         self.eos_token_id = self.tokenizer.eos_token_id
+        ends = self.model.generation_config.eos_token_id
+        ends = [ends] if isinstance(ends, int) else list(ends or [])
+        self.end_token_ids = list(dict.fromkeys([self.eos_token_id, *ends]))  # vLLM stops at these
         self.pad_token_id = self.tokenizer.pad_token_id
         self._version = 0
         self._submitted: dict[str, tuple[Prompt, int]] = {}
@@ -85,6 +127,7 @@ class HFEngine:
             ids[i, width - len(p.token_ids):] = torch.tensor(p.token_ids)
             mask[i, width - len(p.token_ids):] = 1
         sampling = {} if greedy else {"temperature": self.temperature, "top_p": self.top_p}
+        stops = _StopStrings(self.tokenizer, self.stop, width)
         out = self.model.generate(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
@@ -94,8 +137,9 @@ class HFEngine:
             num_return_sequences=n,
             output_scores=True,
             return_dict_in_generate=True,
-            eos_token_id=self.eos_token_id,
+            eos_token_id=self.end_token_ids,
             pad_token_id=self.pad_token_id,
+            stopping_criteria=StoppingCriteriaList([stops] if self.stop else []),
             **sampling,
         )
         tokens = out.sequences[:, width:].cpu()
@@ -104,19 +148,25 @@ class HFEngine:
         ).cpu()  # [B*n, T, V]
         picked = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         spans = ((self._version, 0),)
-        samples = [self._sample(tokens[j], picked[j], spans) for j in range(len(tokens))]
+        samples = [self._sample(tokens[j], picked[j], spans, stops.lengths.get(j))
+                   for j in range(len(tokens))]
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
-    def _sample(self, tokens: torch.Tensor, logprobs: torch.Tensor, spans: VersionSpans) -> Sample:
-        eos = (tokens == self.eos_token_id).nonzero()
-        length = int(eos[0]) + 1 if len(eos) else len(tokens)  # keep the EOS: it was sampled
+    def _sample(self, tokens: torch.Tensor, logprobs: torch.Tensor, spans: VersionSpans,
+                stopped: int | None) -> Sample:
+        """Row `tokens` up to its first end token or, where `stopped`, its first `stopped`
+        tokens: all kept (they were sampled); the text leaves the end token out, as vLLM does."""
+        end = torch.isin(tokens, torch.tensor(self.end_token_ids)).nonzero()
+        length = stopped or (int(end[0]) + 1 if len(end) else len(tokens))
         ids = tokens[:length].numpy().astype(np.int32)
+        written = length - bool(len(end) and not stopped)  # the end token is not
+        text = self.tokenizer.decode(ids[:written], skip_special_tokens=True)
         return Sample(
             response_ids=ids,
             behavior_logprobs=logprobs[:length].numpy().astype(np.float32),
-            finished=bool(len(eos)),
+            finished=bool(stopped or len(end)),
             version_spans=spans,
-            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            text=_before_stop(text, self.stop) if stopped else text,
         )
 
     @torch.no_grad()

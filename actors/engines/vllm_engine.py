@@ -11,6 +11,15 @@ Continuous batching: `submit` adds one request of n samples to vLLM's LLMEngine
 `step` runs one engine step (`LLMEngine.step`): sequences join and leave the running batch at
 every step, so the engine stays as full as the caller keeps it.
 
+Ends of a response: the EOS token and the generation config's other end tokens (a chat model's
+end-of-turn token) end it, and are kept in its ids and log-probs (they were sampled) but not
+written in its text. `stop` strings (generator.stop) are matched by vLLM on the text decoded so
+far: the response ends at the token that completes one, that token is kept in the ids and
+log-probs (vLLM drops tokens sampled after it in the same step, with their log-probs; without
+speculative decoding a step samples one), and the text ends before the stop string
+(include_stop_str_in_output=False). So the ids, the log-probs and the learner's mask always
+cover exactly the tokens sampled; the text is for rewards only.
+
 Weight updates: vLLM on CPU repacks weights into its kernel layout, so `model.load_weights` does
 not work on a running engine; `model_runner.reload_weights(weights_iterator=...)` does (it loads
 HF-named checkpoint tensors through the same path as start-up). It is called on every worker
@@ -65,6 +74,7 @@ class VLLMEngine:
         model_path: str | Path,
         *,
         max_new_tokens: int = 16,
+        stop: Sequence[str] = (),
         temperature: float = 1.0,
         top_p: float = 1.0,
         threads: int = 1,
@@ -93,6 +103,7 @@ class VLLMEngine:
         self._sampling_params = SamplingParams
         self._final_only = RequestOutputKind.FINAL_ONLY
         self.max_new_tokens = max_new_tokens
+        self.stop = tuple(stop)
         self.temperature = temperature
         self.top_p = top_p
         self.threads = threads
@@ -150,6 +161,7 @@ class VLLMEngine:
             temperature=0.0 if greedy else self.temperature,
             top_p=1.0 if greedy else self.top_p,
             max_tokens=self.max_new_tokens,
+            stop=list(self.stop),
             logprobs=0,  # the sampled token's own log-prob
             output_kind=self._final_only,  # the default re-sends every token at every step
         )
@@ -187,7 +199,7 @@ class VLLMEngine:
             [step[int(t)].logprob for t, step in zip(ids, completion.logprobs)], dtype=np.float32
         )
         spans = tuple((int(s.version), s.start) for s in completion.weight_versions)
-        finished = completion.finish_reason == "stop"
+        finished = completion.finish_reason == "stop"  # EOS, an end token or a stop string
         return Sample(response_ids=ids, behavior_logprobs=logprobs, finished=finished,
                       version_spans=spans, text=completion.text)
 
