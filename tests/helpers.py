@@ -1,5 +1,6 @@
 """Helpers shared by test modules (tests/ is on sys.path under pytest): the one trajectory and
-group factory of the codec, queue and replay tests, and a buggy producer's re-encoding."""
+group factory of the codec, queue and replay tests, a buggy producer's re-encoding, and the
+admission gate of the generator tests."""
 
 import msgpack
 import numpy as np
@@ -45,3 +46,17 @@ def reencoded(group: Group, *, member: int | None = None, **edits) -> bytes:
         else:
             target[key] = value
     return msgpack.packb(obj, use_bin_type=True)
+
+
+class EngineGate:
+    """The AdmissionGate protocol over StalenessGate, keyed on the engine's weights version (what
+    the launcher's gate does through its coordinator)."""
+
+    def __init__(self, gate, version_fn):
+        self.gate, self.version_fn = gate, version_fn
+
+    def try_admit(self, n):
+        return self.gate.try_admit(n, self.version_fn())
+
+    def finish(self, n_admitted, n_accepted):
+        self.gate.finish(n_admitted, n_accepted)

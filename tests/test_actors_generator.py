@@ -20,6 +20,7 @@ from async_rlhf.config import Config, DataConfig, GeneratorConfig, ModelConfig, 
 from async_rlhf.protocols import QueueStats
 from async_rlhf.staleness import StalenessGate
 from async_rlhf.types import Sample
+from helpers import EngineGate
 
 
 class ListQueue:
@@ -48,20 +49,6 @@ class ListQueue:
 
     def stats(self):
         return QueueStats(len(self.items), 0, len(self.dead), {})
-
-
-class EngineGate:
-    """The AdmissionGate protocol over StalenessGate, keyed on the engine's weights version (what
-    the launcher's gate does through its coordinator)."""
-
-    def __init__(self, gate, version_fn):
-        self.gate, self.version_fn = gate, version_fn
-
-    def try_admit(self, n):
-        return self.gate.try_admit(n, self.version_fn())
-
-    def finish(self, n_admitted, n_accepted):
-        self.gate.finish(n_admitted, n_accepted)
 
 
 class ScriptedEngine:
