@@ -55,6 +55,7 @@ from redis.retry import Retry
 from async_rlhf.config import QueueConfig
 from async_rlhf.protocols import QueueStats
 from async_rlhf.types import Group, Received, TrajectoryError
+from buffer import redis_scripts
 from buffer.codec import decode_batch, encode
 
 log = logging.getLogger(__name__)
@@ -64,73 +65,6 @@ PRODUCER = b"p"  # our producers' name on each entry: entries without it were wr
 # counters that record events rather than where an entry went
 _EVENTS = ("produced", "foreign", "reclaimed", "ack_lost", "set_aside")
 _SCRIPT_CHUNK = 1000  # ids per Lua call: keeps unpack() far below Lua's stack limit
-
-# Ownership check shared by the scripts below: ARGV[first_id..] are ids; one XPENDING over their
-# [min, max] range (ARGV[4], ARGV[5]) with this consumer as filter, at most ARGV[6] entries,
-# finds the ones it owns; if that reply was cut at the limit, the rest are checked one by one.
-# (A lookup per id costs ~3x more server time for a 512-entry batch.)
-_OWNED = """
-local function owned_ids(first_id)
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], ARGV[5], ARGV[6], ARGV[2])
-  local mine = {}
-  for _, e in ipairs(p) do mine[e[1]] = true end
-  local full = #p >= tonumber(ARGV[6])
-  local owned, lost = {}, {}
-  for i = first_id, #ARGV do
-    local id = ARGV[i]
-    if mine[id] or (full and #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) == 1)
-    then owned[#owned + 1] = id else lost[#lost + 1] = id end
-  end
-  return owned, lost
-end
-"""
-
-# KEYS: stream, counters. ARGV: group, consumer, reason, min, max, limit, ids...
-# -> the ids this consumer did not own (not acked, counted as ack_lost).
-_ACK = _OWNED + """
-local owned, lost = owned_ids(7)
-if #owned > 0 then
-  redis.call('XACK', KEYS[1], ARGV[1], unpack(owned))
-  redis.call('XDEL', KEYS[1], unpack(owned))
-  redis.call('HINCRBY', KEYS[2], ARGV[3], #owned)
-end
-if #lost > 0 then redis.call('HINCRBY', KEYS[2], 'ack_lost', #lost) end
-return lost
-"""
-
-# KEYS: stream. ARGV: group, consumer, unused, min, max, limit, ids...
-# -> the ids still owned, their idle time reset.
-_RENEW = _OWNED + """
-local owned, lost = owned_ids(7)
-if #owned > 0 then
-  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(owned), 'JUSTID')
-end
-return owned
-"""
-
-# KEYS: stream. ARGV: group, consumer, min idle ms, cursor, count -> {next cursor, ids, ...}.
-# JUSTID: the claim alone does not count as a delivery (redis-py would drop the cursor of a
-# JUSTID reply, hence a script).
-_AUTOCLAIM_IDS = """
-return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5], 'JUSTID')
-"""
-
-# KEYS: stream, dead, counters. ARGV: group, consumer, maxlen, then (id, reason, detail, raw)...
-_DEAD_LETTER = """
-local n = 0
-for i = 4, #ARGV, 4 do
-  local id = ARGV[i]
-  if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) == 1 then
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'id', id, 'reason', ARGV[i + 1],
-               'detail', ARGV[i + 2], 'consumer', ARGV[2], 'raw', ARGV[i + 3])
-    redis.call('XACK', KEYS[1], ARGV[1], id)
-    redis.call('XDEL', KEYS[1], id)
-    n = n + 1
-  end
-end
-if n > 0 then redis.call('HINCRBY', KEYS[3], 'dead_lettered', n) end
-return n
-"""
 
 
 def _outcomes(counters: dict[str, int]) -> dict[str, int]:
@@ -205,10 +139,10 @@ class RedisExperienceQueue:
         self.max_backlog, self.claim_idle_ms = max_backlog, claim_idle_ms
         self.max_deliveries = max_deliveries
         self.dead_letter_maxlen, self.put_chunk = dead_letter_maxlen, put_chunk
-        self._ack_script = client.register_script(_ACK)
-        self._renew_script = client.register_script(_RENEW)
-        self._dead_script = client.register_script(_DEAD_LETTER)
-        self._autoclaim_script = client.register_script(_AUTOCLAIM_IDS)
+        self._ack_script = client.register_script(redis_scripts.ACK)
+        self._renew_script = client.register_script(redis_scripts.RENEW)
+        self._dead_script = client.register_script(redis_scripts.DEAD_LETTER)
+        self._autoclaim_script = client.register_script(redis_scripts.AUTOCLAIM_IDS)
         self._claim_cursor = b"0-0"
         self._held: set[str] = set()  # delivered to this consumer, not yet acked
         self._recovering = True  # until _recover_own finds nothing a predecessor left
@@ -404,7 +338,7 @@ class RedisExperienceQueue:
         self._dead_script(keys=[self.stream, self.dead_stream, self.counters_key], args=args)
 
     def _owned_args(self, ids: Sequence[str]) -> list:
-        """min id, max id, XPENDING limit: the _OWNED arguments for a chunk of ids."""
+        """min id, max id, XPENDING limit: the OWNED check's arguments for a chunk of ids."""
         keys = sorted(tuple(map(int, i.split("-"))) for i in ids)
         limit = len(ids) + len(self._held) + 16  # our pending entries in that range, at most
         return ["%d-%d" % keys[0], "%d-%d" % keys[-1], limit]

@@ -1,0 +1,70 @@
+"""The Lua scripts the experience queue (buffer/redis_stream.py) runs server-side: each acts on
+a set of entries atomically, and all but the claim check first that the calling consumer still
+owns them (exactly-once acknowledgement; see redis_stream's docstring)."""
+
+# Ownership check shared by the scripts below: ARGV[first_id..] are ids; one XPENDING over their
+# [min, max] range (ARGV[4], ARGV[5]) with this consumer as filter, at most ARGV[6] entries,
+# finds the ones it owns; if that reply was cut at the limit, the rest are checked one by one.
+# (A lookup per id costs ~3x more server time for a 512-entry batch.)
+OWNED = """
+local function owned_ids(first_id)
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], ARGV[5], ARGV[6], ARGV[2])
+  local mine = {}
+  for _, e in ipairs(p) do mine[e[1]] = true end
+  local full = #p >= tonumber(ARGV[6])
+  local owned, lost = {}, {}
+  for i = first_id, #ARGV do
+    local id = ARGV[i]
+    if mine[id] or (full and #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) == 1)
+    then owned[#owned + 1] = id else lost[#lost + 1] = id end
+  end
+  return owned, lost
+end
+"""
+
+# KEYS: stream, counters. ARGV: group, consumer, reason, min, max, limit, ids...
+# -> the ids this consumer did not own (not acked, counted as ack_lost).
+ACK = OWNED + """
+local owned, lost = owned_ids(7)
+if #owned > 0 then
+  redis.call('XACK', KEYS[1], ARGV[1], unpack(owned))
+  redis.call('XDEL', KEYS[1], unpack(owned))
+  redis.call('HINCRBY', KEYS[2], ARGV[3], #owned)
+end
+if #lost > 0 then redis.call('HINCRBY', KEYS[2], 'ack_lost', #lost) end
+return lost
+"""
+
+# KEYS: stream. ARGV: group, consumer, unused, min, max, limit, ids...
+# -> the ids still owned, their idle time reset.
+RENEW = OWNED + """
+local owned, lost = owned_ids(7)
+if #owned > 0 then
+  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(owned), 'JUSTID')
+end
+return owned
+"""
+
+# KEYS: stream. ARGV: group, consumer, min idle ms, cursor, count -> {next cursor, ids, ...}.
+# JUSTID: the claim alone does not count as a delivery (redis-py would drop the cursor of a
+# JUSTID reply, hence a script).
+AUTOCLAIM_IDS = """
+return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5], 'JUSTID')
+"""
+
+# KEYS: stream, dead, counters. ARGV: group, consumer, maxlen, then (id, reason, detail, raw)...
+DEAD_LETTER = """
+local n = 0
+for i = 4, #ARGV, 4 do
+  local id = ARGV[i]
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) == 1 then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'id', id, 'reason', ARGV[i + 1],
+               'detail', ARGV[i + 2], 'consumer', ARGV[2], 'raw', ARGV[i + 3])
+    redis.call('XACK', KEYS[1], ARGV[1], id)
+    redis.call('XDEL', KEYS[1], id)
+    n = n + 1
+  end
+end
+if n > 0 then redis.call('HINCRBY', KEYS[3], 'dead_lettered', n) end
+return n
+"""
