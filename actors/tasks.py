@@ -7,12 +7,21 @@ default reward `actors.tasks:score` needs nothing but the prompt and the respons
            answer is "aaaaaaaa", so exact-match evaluation also works). Not
            prompt-conditioned: it only asks the policy to favour one token, so it rises within a
            few dozen learner steps (a random-init tiny model starts near 0.05 with 16 new tokens).
-  echo     prompt-conditioned. "echo 3=" -> reward = min(number of 3s in the response, 8) / 8:
+  echo     prompt-conditioned. "echo 3: 482=" -> reward = min(number of 3s in the response, 8) / 8:
            the count task with the digit (1-4) named in the prompt. A policy that ignores the
            prompt scores at most 0.5, so a reward above it shows the prompt is being read. Seen
            on the tiny model with configs/demo.yaml and learner.steps=300 (lr 1e-3), two runs:
            0.19 at step 20 -> 0.78 at 120 -> 0.64 at 300 (noisy), and 0.22 -> 0.91 at 200 ->
-           0.99 at 300. With all ten digits it plateaued near 0.2 in 300 steps.
+           0.99 at 300 (then without the digits after the colon, which give the held-out split
+           prompt texts to hold out). With all ten digits it plateaued near 0.2 in 300 steps.
+           The cap lets a prompt-blind response (8 of one digit, 8 of another) score 1 on half
+           the prompts, a plateau that `pick` does not have.
+  pick     prompt-conditioned, for evaluation. "pick 4821 c" -> reward = the share of the
+           response's characters that are the letter named last (a-d; the digits only vary the
+           prompt); 0 for an empty response. No cap: only a response made of the named letter
+           scores 1. Prompt-blind ceiling: a response's mean reward over prompts is
+           sum_c P(c) share_c <= max_c P(c), reached by repeating the most frequent letter, so
+           `prompt_blind_ceiling` is exact: 0.25 for the uniform letter (tested).
   copy     prompt-conditioned, hard. "copy 3142=" -> "3142": 0.8 x the fraction of the answer's digits
            found at their position + 0.2 if the response has the answer's length (1.0 iff equal);
            partial credit guides learning, which needs a few hundred steps.
@@ -23,6 +32,12 @@ default reward `actors.tasks:score` needs nothing but the prompt and the respons
            generator.max_new_tokens >= 65 (configs/bench-length.yaml). A random-init model
            rarely samples EOS, so it starts near the cap and learns where to stop.
 
+Held-out split: a prompt text is held out iff a hash of it falls in one of HELDOUT_SHARE
+buckets (`is_heldout`); `examples(..., split="train")` (what training draws) never yields one and
+`split="heldout"` (what evaluation draws) yields only those, so the two are disjoint by
+construction whatever the seeds and counts. A task with few distinct prompts (length has 61)
+loses the held-out ones from training altogether.
+
 Prompts with other first words (a JSONL data set, say) are scored by exact match with their
 answer, stripped of surrounding spaces; a prompt with no answer cannot be scored and raises, which
 the generator counts and sets aside.
@@ -31,13 +46,17 @@ the generator counts and sets aside.
 from __future__ import annotations
 
 import random
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from async_rlhf.types import Prompt
 
 COUNT_TARGET = 8  # 'a's that earn the full count reward
 LENGTH_RANGE = (4, 64)  # ideal response lengths of the length task
+PICK_LETTERS = "abcd"  # what the pick task names
+HELDOUT_SHARE = 8  # one prompt text in 8 is held out from training, for evaluation
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,10 @@ def _count_reward(response: str, answer: str) -> float:
 
 def _echo_reward(response: str, answer: str) -> float:
     return min(response.count(answer), COUNT_TARGET) / COUNT_TARGET
+
+
+def _pick_reward(response: str, answer: str) -> float:
+    return response.count(answer) / len(response) if response else 0.0
 
 
 def positional_match(response: str, answer: str) -> float:
@@ -80,7 +103,12 @@ def _make_count(rng: random.Random) -> tuple[str, str]:
 
 def _make_echo(rng: random.Random) -> tuple[str, str]:
     digit = rng.choice("1234")
-    return f"echo {digit}=", digit
+    return f"echo {digit}: {_digits(rng)}=", digit
+
+
+def _make_pick(rng: random.Random) -> tuple[str, str]:
+    letter = rng.choice(PICK_LETTERS)
+    return f"pick {_digits(rng)} {letter}", letter
 
 
 def _make_copy(rng: random.Random) -> tuple[str, str]:
@@ -101,6 +129,7 @@ def _make_length(rng: random.Random) -> tuple[str, str]:
 TASKS: dict[str, Task] = {
     "count": Task("count", _make_count, _count_reward),
     "echo": Task("echo", _make_echo, _echo_reward),
+    "pick": Task("pick", _make_pick, _pick_reward),
     "copy": Task("copy", _make_copy, positional_match),
     "reverse": Task("reverse", _make_reverse, positional_match),
     "length": Task("length", _make_length, _length_reward),
@@ -113,11 +142,31 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
-def examples(task: str, seed: int, count: int) -> list[tuple[str, str]]:
-    """`count` (prompt text, answer) pairs of `task`, the same for the same seed."""
+def is_heldout(text: str) -> bool:
+    """Whether a prompt text belongs to the held-out split (a hash bucket of its text)."""
+    return zlib.crc32(text.encode()) % HELDOUT_SHARE == 0
+
+
+def examples(task: str, seed: int, count: int,
+             split: Literal["train", "heldout"] = "train") -> list[tuple[str, str]]:
+    """`count` (prompt text, answer) pairs of `task` from `split`, the same for the same seed."""
     make = get_task(task).make
-    rng = random.Random(f"{task}/{seed}")
-    return [make(rng) for _ in range(count)]
+    rng = random.Random(f"{task}/{seed}" if split == "train" else f"{task}/{seed}/heldout")
+    out: list[tuple[str, str]] = []
+    for _ in range(100 * HELDOUT_SHARE * count):  # finite: a task may have few prompt texts
+        text, answer = make(rng)
+        if is_heldout(text) == (split == "heldout"):
+            out.append((text, answer))
+            if len(out) == count:
+                return out
+    raise ValueError(f"task {task!r} yielded {len(out)} of {count} {split} prompts: its prompt "
+                     f"texts are too few to split; use fewer ({split}) or another task")
+
+
+def prompt_blind_ceiling(pairs: Sequence[tuple[str, str]]) -> float:
+    """The best mean reward a prompt-blind pick policy earns on `pairs`: the most frequent
+    letter's share (see the module docstring: the optimum repeats one letter)."""
+    return max(sum(_pick_reward(c, answer) for _, answer in pairs) for c in PICK_LETTERS) / len(pairs)
 
 
 def score_one(prompt: Prompt, response: str) -> float:
