@@ -38,8 +38,13 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         args = typing.get_args(hint)
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _check_type(key, value, inner)
+        inners = [a for a in args if a is not type(None)]
+        for inner in inners[:-1]:  # the first type the value fits
+            try:
+                return _check_type(key, value, inner)
+            except ConfigError:
+                pass
+        return _check_type(key, value, inners[-1])
     if origin is tuple:
         _check(isinstance(value, (list, tuple)), key, value, "a list")
         (inner, _) = typing.get_args(hint)
@@ -153,9 +158,14 @@ class GeneratorConfig(_Section):
     threads: int = 1
     tensor_parallel: int = 1  # GPU only
     max_restarts: int = 10  # a generator that dies is replaced, after 1, 2, 4 ... 30 s, this often
+    # Load the weights of version V - weight_lag when version V arrives (0: the newest), so that
+    # every sample is exactly min(V, weight_lag) versions old when trained: the staleness study
+    # (`async-rlhf study staleness`) uses it to realise k whatever the stages' speeds.
+    weight_lag: int = 0
 
     def _validate(self) -> None:
         _check(self.max_restarts >= 0, "generator.max_restarts", self.max_restarts, ">= 0")
+        _check(self.weight_lag >= 0, "generator.weight_lag", self.weight_lag, ">= 0")
         self._positive("count", "group_size", "max_new_tokens", "threads")
         self._positive("temperature", "tensor_parallel")
         _check(all(self.stop), "generator.stop", list(self.stop),
@@ -268,6 +278,29 @@ class StageCosts(_Section):
         self._positive("generator_s", "learner_s")
 
 
+@dataclass(frozen=True)
+class EvalConfig(_Section):
+    """Held-out evaluation during training, by a dedicated actor (async_rlhf/launch/roles.py: EvalWorker)."""
+
+    _prefix = "eval."
+    every: int = 0  # evaluate policy versions 0, every, 2 x every ... and the last; 0: off
+    # a number of prompts drawn from the task's held-out split (actors.tasks.is_heldout), or the
+    # path of a JSONL file of records as data.source=jsonl reads them
+    prompts: int | str = 64
+    samples: int = 0  # also this many samples per prompt at generator.temperature: eval_pass@<samples>
+    pass_reward: float = 1.0  # a sample passes (pass@k) with at least this reward
+    seed: int = 0  # which held-out prompts are drawn
+
+    def _validate(self) -> None:
+        _check(self.every >= 0, "eval.every", self.every, ">= 0 (0: no evaluation)")
+        _check(self.samples >= 0, "eval.samples", self.samples, ">= 0")
+        if isinstance(self.prompts, int):
+            _check(self.prompts > 0, "eval.prompts", self.prompts, "> 0 (or a JSONL path)")
+        else:
+            _check(Path(self.prompts).is_file(), "eval.prompts", self.prompts,
+                   "a prompt count or the path of an existing JSONL file")
+
+
 def _default_rewards() -> tuple[RewardSpec, ...]:
     return (RewardSpec(kind="function", target="actors.tasks:score"),)
 
@@ -288,9 +321,16 @@ class Config(_Section):
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def _validate(self) -> None:
         _check(self.max_staleness >= 0, "max_staleness", self.max_staleness, ">= 0")
+        # a lag beyond k: generators would wait for slots that only data they cannot make frees
+        _check(self.generator.weight_lag <= self.max_staleness, "generator.weight_lag",
+               self.generator.weight_lag, f"<= max_staleness ({self.max_staleness})")
+        _check(not (self.eval.every and isinstance(self.eval.prompts, int) and self.data.source != "task"),
+               "eval.prompts", self.eval.prompts,
+               f"a JSONL path with data.source={self.data.source} (only built-in tasks have a held-out split)")
         _check(len(self.rewards) > 0, "rewards", self.rewards, "a non-empty list")
         # The staleness gate admits whole groups; a learner batch that is no whole number of
         # groups would split one (GRPO baselines need all of a group's samples).
@@ -312,6 +352,7 @@ _SECTIONS: dict[str, type] = {
     "queue": QueueConfig,
     "learner": LearnerConfig,
     "stage_costs": StageCosts,
+    "eval": EvalConfig,
 }
 
 

@@ -398,3 +398,26 @@ def test_resume_continues_from_the_checkpoint_with_current_weights(tmp_path, tin
     # on samples of version 3, not of the initial weights (which the learner would drop)
     assert metrics[3]["staleness_max"] == 0 and summary["dropped_stale"] == 0
     _check_accounting(summary)
+
+
+def test_heldout_evaluation_reaches_metrics_and_tensorboard(tmp_path, tiny_actor_model):
+    """eval.every=2 over 4 steps: the evaluator scores held-out prompts at even versions and at
+    the last (4); each evaluation, with the version it evaluated, is in metrics.jsonl and
+    TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    name = "eval"
+    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=4", "data.task=pick",
+                  "eval.every=2", "eval.prompts=6", "eval.samples=2")
+    metrics, summary = _finish(tmp_path, name, proc)
+    _check_accounting(summary)
+    evals = [e for m in metrics for e in m.get("evals", [])]
+    versions = [e["policy_version"] for e in evals]
+    assert versions[-1] == 4 and set(versions) <= {0, 2, 4} and versions == sorted(set(versions))
+    assert "evals" in metrics[-1]  # the last step's row waits for the last version's evaluation
+    for e in evals:
+        assert 0 <= e["eval_reward"] <= 1 and 0 <= e["eval_pass@2"] <= 1 and e["eval_prompts"] == 6
+    tb = EventAccumulator(str(tmp_path / name / "tensorboard"))
+    tb.Reload()
+    assert [s.step for s in tb.Scalars("eval_reward")] == versions
+    assert [s.value for s in tb.Scalars("eval_pass@2")] == pytest.approx([e["eval_pass@2"] for e in evals])

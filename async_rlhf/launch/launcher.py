@@ -82,6 +82,7 @@ class Job:
         self.left_in_queue = 0  # as of the last step
         self.queue: RedisExperienceQueue | None = None
         self.learners: list[Any] = []
+        self.evaluator = None  # the EvalWorker actor when eval.every > 0
         self.tb = None
         self.startup: dict[str, float] = {}  # phase -> seconds since the command started
         self.placement_line = ""  # what placement: auto chose, and why
@@ -185,7 +186,7 @@ class Job:
         if self.ray_address:
             return
         learner, gen = self.cfg.learner, self.cfg.generator
-        needed = learner.ranks * learner.threads + gen.count * gen.threads
+        needed = learner.ranks * learner.threads + gen.count * gen.threads + bool(self.cfg.eval.every)
         # room for `add-generators` on this machine too (the OS shares the cores)
         self.cluster = cluster.launch_local_cluster(num_cpus=needed + (os.cpu_count() or 1))
 
@@ -223,6 +224,11 @@ class Job:
         self.coordinator = self.ray.remote(Coordinator).options(name="coordinator").remote(
             cfg.max_staleness, cfg.learner.batch_size, self.start_version, self.carried)
         self._start_learners(self.resume)
+        if cfg.eval.every:
+            from async_rlhf.roles import EvalWorker
+
+            self.evaluator = self.ray.remote(EvalWorker).options(
+                num_cpus=1, max_concurrency=4, name="evaluator").remote(cfg)
         for _ in range(cfg.generator.count):
             self._add_generator({})
         version = self._learners_ready()
@@ -345,6 +351,8 @@ class Job:
         background, also during a learner step, and starts by sending the newest weights."""
         ray = self.ray
         gens = list(self.generators.items())
+        if self.evaluator is not None:  # it follows the weights as a generator does
+            gens.append(("evaluator", self.evaluator))
         address = ray.get(self.learners[0].open_epoch.remote(len(gens) + 1))
         ray.get([h.join_epoch.remote(address, rank) for rank, (_, h) in enumerate(gens, start=1)])
         log.info("weight-sync epoch %d: learner + %s", address.epoch, [g for g, _ in gens])
@@ -356,6 +364,8 @@ class Job:
         ray, cfg = self.ray, self.cfg
         self.tb = SummaryWriter(str(self.out / "tensorboard"))
         self._wait_for_generators(timeout_s=600)  # first engines up (model load, vLLM start)
+        if self.evaluator is not None:
+            ray.get(self.evaluator.__ray_ready__.remote(), timeout=600)
         self._mark("generators")
         metrics_file = (self.out / "metrics.jsonl").open("a")
         version = self.start_version
@@ -368,8 +378,10 @@ class Job:
                 version = self._restart_learners(type(e).__name__)
                 continue
             version = metrics["version"]
-            self._record(metrics, time.perf_counter() - step_start, metrics_file)
-            if reason := ray.get(self.coordinator.stop_requested.remote()):
+            reason = ray.get(self.coordinator.stop_requested.remote())
+            self._record(metrics, time.perf_counter() - step_start, metrics_file,
+                         last=bool(reason) or version >= cfg.learner.steps)
+            if reason:
                 print(f"stopping: {reason}")
                 break
         metrics_file.close()
@@ -465,7 +477,24 @@ class Job:
             print(f"not restarting {gid}: generator.max_restarts={budget} restarts spent",
                   file=sys.stderr)
 
-    def _record(self, m: dict[str, Any], step_s: float, metrics_file) -> None:
+    def _evaluations(self, version: int, last: bool) -> list[dict[str, Any]]:
+        """Held-out evaluations finished since the last step (at the last step, after that
+        version's own): TensorBoard gets each at the version it evaluated."""
+        if self.evaluator is None:
+            return []
+        ray = self.ray
+        evals = ray.get(self.evaluator.finish.remote(version) if last else self.evaluator.take_results.remote())
+        for e in evals:
+            for key, value in e.items():
+                if key.startswith("eval_"):
+                    self.tb.add_scalar(key, value, e["policy_version"])
+            print(f"eval v{e['policy_version']:>4}  reward {e['eval_reward']:.3f} (greedy, "
+                  f"{e['eval_prompts']} held-out prompts)" + "".join(
+                      f"  {k[5:]} {v:.3f}" for k, v in e.items() if k.startswith(("eval_pass@", "eval_reward_s")))
+                  + f"  {e['eval_s']:.1f} s", flush=True)
+        return evals
+
+    def _record(self, m: dict[str, Any], step_s: float, metrics_file, last: bool = False) -> None:
         ray = self.ray
         if "first_step" not in self.startup:
             self._mark("first_step")
@@ -489,6 +518,8 @@ class Job:
             "gen_tokens_per_s": tokens_per_s, "gen_totals": gen_totals,
             "generators": len(self.generators), **m,
         }
+        if evals := self._evaluations(m["version"], last):
+            row["evals"] = evals
         metrics_file.write(json.dumps(row, default=float) + "\n")
         metrics_file.flush()
         for key, value in row.items():

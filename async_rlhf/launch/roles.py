@@ -144,6 +144,8 @@ class GeneratorWorker:
         self.error = ""
         self.last_receive_s = 0.0  # the newest weight update's transfer time
         self._latest: WeightUpdate | None = None
+        self._picked = -1  # the version last handed to the engine loop
+        self.weight_lag = cfg.generator.weight_lag
         self._update_ready = threading.Condition()
         self._threads = [
             threading.Thread(target=self._guard, args=(self.generator.run, self.stop_event),
@@ -162,19 +164,23 @@ class GeneratorWorker:
 
     def join_epoch(self, address: SyncAddress, rank: int) -> None:
         """Join a membership epoch; updates then arrive in the background."""
-        threading.Thread(target=self._receive, args=(address, rank),
-                         name=f"receive-epoch{address.epoch}", daemon=True).start()
+        received: dict[int, WeightUpdate] = {}  # this epoch's (versions restart with a learner)
+        _follow(address, rank, self.generator_id, lambda update: self._received(update, received))
 
-    def _receive(self, address: SyncAddress, rank: int) -> None:
-        try:
-            receiver = WeightReceiver(address, rank)
-            while (update := receiver.receive()) is not None:
-                self.last_receive_s = update.received_s
-                with self._update_ready:  # keep only the newest: a slow load never queues stale ones
-                    self._latest = update
-                    self._update_ready.notify()
-        except Exception as e:  # a member died and broke the group: the next epoch replaces it
-            log.warning("%s: weight-sync epoch %d ended: %s", self.generator_id, address.epoch, e)
+    def _received(self, update: WeightUpdate, received: dict[int, WeightUpdate]) -> None:
+        """Hand the engine loop the update to load: the newest, or with generator.weight_lag = L
+        the newest of those at most version - L (the oldest kept if none is: a generator that
+        joined late must not wait for versions it will never receive)."""
+        self.last_receive_s = update.received_s
+        received[update.version] = update
+        older = [v for v in received if v <= update.version - self.weight_lag]
+        pick = max(older) if older else min(received)
+        for v in [v for v in received if v < pick]:
+            del received[v]
+        with self._update_ready:  # keep only the newest: a slow load never queues stale ones
+            if pick == update.version or pick != self._picked:
+                self._latest, self._picked = received[pick], pick
+                self._update_ready.notify()
 
     def _apply_updates(self) -> None:
         while not self.stop_event.is_set():
@@ -198,6 +204,93 @@ class GeneratorWorker:
         for t in self._threads:
             t.join(60)
         return self.stats()
+
+
+def _follow(address: SyncAddress, rank: int, who: str, on_update) -> None:
+    """Receive a membership epoch's weight updates in a thread of their own, handing each to
+    `on_update`, until the epoch closes or breaks (a member died: the next epoch replaces it)."""
+    def receive() -> None:
+        try:
+            receiver = WeightReceiver(address, rank)
+            while (update := receiver.receive()) is not None:
+                on_update(update)
+        except Exception as e:  # noqa: BLE001
+            log.warning("%s: weight-sync epoch %d ended: %s", who, address.epoch, e)
+
+    threading.Thread(target=receive, name=f"receive-epoch{address.epoch}", daemon=True).start()
+
+
+class EvalWorker:
+    """Held-out evaluation on an engine of its own (actors.evaluate), off every critical path:
+    it follows the weight-sync epochs as a generator does (receiving every version, newest
+    first, none lagged) and evaluates versions 0, eval.every, 2 x eval.every ... as their
+    weights arrive. Evaluations run one at a time; a due version that arrives while one runs
+    waits, and a newer due one replaces it (counted in `skipped`). `finish(v)` evaluates the
+    last version too and returns what is left to take."""
+
+    def __init__(self, cfg: Config):
+        from actors.evaluate import make_evaluator
+
+        self.every = cfg.eval.every
+        self.evaluator = make_evaluator(cfg)
+        self.results: list[dict[str, Any]] = []  # finished, not yet taken
+        self.error = ""
+        self.skipped = 0
+        self._newest: WeightUpdate | None = None
+        self._due: WeightUpdate | None = None
+        self._evaluated = -1  # the version last evaluated
+        self._final = -1
+        self._cond = threading.Condition()
+        threading.Thread(target=self._loop, name="evaluate", daemon=True).start()
+
+    def join_epoch(self, address: SyncAddress, rank: int) -> None:
+        _follow(address, rank, "evaluator", self._received)
+
+    def _received(self, update: WeightUpdate) -> None:
+        with self._cond:
+            self._newest = update
+            if update.version % self.every == 0 or update.version == self._final:
+                self.skipped += self._due is not None
+                self._due = update
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._due is not None)
+                update, self._due = self._due, None
+            if update.version == self._evaluated:
+                continue
+            try:
+                self.evaluator.engine.update_weights(update.named_tensors, update.version)
+                result = self.evaluator.evaluate()
+            except Exception:  # noqa: BLE001 - kept for the launcher, which logs it
+                self.error = traceback.format_exc()
+                log.error("evaluator: %s", self.error)
+                result = None
+            with self._cond:
+                self._evaluated = update.version
+                if result is not None:
+                    self.results.append(result)
+                self._cond.notify_all()
+
+    def take_results(self) -> list[dict[str, Any]]:
+        """Evaluations finished since the last call, oldest first."""
+        with self._cond:
+            results, self.results = self.results, []
+        return results
+
+    def finish(self, version: int, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+        """Evaluate `version` (the job's last) once its weights are here, if not done yet; then
+        take_results()."""
+        with self._cond:
+            self._final = version
+            if self._newest is not None and self._newest.version == version and self._evaluated != version:
+                self._due = self._newest
+                self._cond.notify_all()
+            if not self._cond.wait_for(lambda: self._evaluated == version, timeout_s):
+                log.warning("evaluator: version %d not evaluated within %.0f s", version, timeout_s)
+        return self.take_results()
 
 
 class LearnerWorker:
