@@ -23,6 +23,7 @@ batch for v has been trained and its weights published.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -80,3 +81,13 @@ class StalenessGate:
         if not 0 <= n <= self.accepted:
             raise ValueError(f"forget({n}) with {self.accepted} accepted")
         self.accepted -= n
+
+
+def lagged_version(received: Iterable[int], newest: int, lag: int) -> int:
+    """Of the versions a generator has received, the one to generate with when `newest` arrived
+    and generator.weight_lag = lag: the newest at most newest - lag, so that what it makes is
+    trained exactly `lag` versions later (the gate admits one batch per version), or, if it has
+    none that old (it joined late), the oldest it has: never one it will not receive."""
+    versions = list(received)
+    older = [v for v in versions if v <= newest - lag]
+    return max(older) if older else min(versions)

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench-gen": ("actors.bench", "generation throughput: vLLM engine vs transformers", ""),
     "bench-learner": ("learners.bench", "learner throughput and time split", ""),
     "bench": ("async_rlhf.launch.bench", "async vs sync training throughput, stage bounds, idle and staleness", ""),
+    "study": ("async_rlhf.launch.study", "learning under staleness: held-out reward by k and loss, over seeds", ""),
 }
 
 

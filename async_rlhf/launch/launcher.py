@@ -225,10 +225,10 @@ class Job:
             cfg.max_staleness, cfg.learner.batch_size, self.start_version, self.carried)
         self._start_learners(self.resume)
         if cfg.eval.every:
-            from async_rlhf.roles import EvalWorker
+            from async_rlhf.launch.roles import EvalWorker
 
             self.evaluator = self.ray.remote(EvalWorker).options(
-                num_cpus=1, max_concurrency=4, name="evaluator").remote(cfg)
+                num_cpus=1, max_concurrency=4, name="evaluator").remote(cfg, fresh=not self.resume)
         for _ in range(cfg.generator.count):
             self._add_generator({})
         version = self._learners_ready()

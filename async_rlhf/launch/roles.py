@@ -11,6 +11,7 @@ Part of the wiring (async_rlhf.launch), the one layer that imports actors/, lear
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rlhf.config import Config
-from async_rlhf.staleness import StalenessGate
+from async_rlhf.staleness import StalenessGate, lagged_version
 from async_rlhf.weight_sync import SyncAddress, WeightBroadcaster, WeightReceiver, WeightUpdate
 
 log = logging.getLogger(__name__)
@@ -168,15 +169,17 @@ class GeneratorWorker:
         _follow(address, rank, self.generator_id, lambda update: self._received(update, received))
 
     def _received(self, update: WeightUpdate, received: dict[int, WeightUpdate]) -> None:
-        """Hand the engine loop the update to load: the newest, or with generator.weight_lag = L
-        the newest of those at most version - L (the oldest kept if none is: a generator that
-        joined late must not wait for versions it will never receive)."""
+        """Hand the engine loop the update to load: the newest, or with generator.weight_lag
+        the one staleness.lagged_version picks (older ones are let go)."""
         self.last_receive_s = update.received_s
         received[update.version] = update
-        older = [v for v in received if v <= update.version - self.weight_lag]
-        pick = max(older) if older else min(received)
+        # the engine's own version counts: a fresh job's initial weights are never broadcast
+        pick = lagged_version([*received, self.generator.engine.policy_version], update.version,
+                              self.weight_lag)
         for v in [v for v in received if v < pick]:
             del received[v]
+        if pick not in received:  # what the engine holds already
+            return
         with self._update_ready:  # keep only the newest: a slow load never queues stale ones
             if pick == update.version or pick != self._picked:
                 self._latest, self._picked = received[pick], pick
@@ -222,13 +225,16 @@ def _follow(address: SyncAddress, rank: int, who: str, on_update) -> None:
 
 class EvalWorker:
     """Held-out evaluation on an engine of its own (actors.evaluate), off every critical path:
-    it follows the weight-sync epochs as a generator does (receiving every version, newest
-    first, none lagged) and evaluates versions 0, eval.every, 2 x eval.every ... as their
-    weights arrive. Evaluations run one at a time; a due version that arrives while one runs
-    waits, and a newer due one replaces it (counted in `skipped`). `finish(v)` evaluates the
-    last version too and returns what is left to take."""
+    it follows the weight-sync epochs as a generator does (receiving every version, none
+    lagged) and evaluates versions 0, eval.every, 2 x eval.every ... in order as their weights
+    arrive; a fresh job's version 0 is the engine's initial weights (the model the learner
+    starts from), evaluated at once. Evaluations run one at a time; while one runs, due
+    versions wait (at most MAX_WAITING: beyond that the oldest is let go and counted in
+    `skipped`). `finish(v)` evaluates the last version too and returns what is left to take."""
 
-    def __init__(self, cfg: Config):
+    MAX_WAITING = 4
+
+    def __init__(self, cfg: Config, fresh: bool):
         from actors.evaluate import make_evaluator
 
         self.every = cfg.eval.every
@@ -237,7 +243,7 @@ class EvalWorker:
         self.error = ""
         self.skipped = 0
         self._newest: WeightUpdate | None = None
-        self._due: WeightUpdate | None = None
+        self._due: collections.deque[WeightUpdate | None] = collections.deque([None] if fresh else [])
         self._evaluated = -1  # the version last evaluated
         self._final = -1
         self._cond = threading.Condition()
@@ -250,26 +256,32 @@ class EvalWorker:
         with self._cond:
             self._newest = update
             if update.version % self.every == 0 or update.version == self._final:
-                self.skipped += self._due is not None
-                self._due = update
-                self._cond.notify_all()
+                self._wait_for(update)
+
+    def _wait_for(self, update: WeightUpdate) -> None:
+        if len(self._due) == self.MAX_WAITING:
+            self._due.popleft()
+            self.skipped += 1
+        self._due.append(update)
+        self._cond.notify_all()
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._due is not None)
-                update, self._due = self._due, None
-            if update.version == self._evaluated:
+                self._cond.wait_for(lambda: self._due)
+                update = self._due.popleft()  # None: the engine's initial weights, version 0
+            if update is not None and update.version == self._evaluated:
                 continue
             try:
-                self.evaluator.engine.update_weights(update.named_tensors, update.version)
+                if update is not None:
+                    self.evaluator.engine.update_weights(update.named_tensors, update.version)
                 result = self.evaluator.evaluate()
             except Exception:  # noqa: BLE001 - kept for the launcher, which logs it
                 self.error = traceback.format_exc()
                 log.error("evaluator: %s", self.error)
                 result = None
             with self._cond:
-                self._evaluated = update.version
+                self._evaluated = self.evaluator.engine.policy_version
                 if result is not None:
                     self.results.append(result)
                 self._cond.notify_all()
@@ -281,13 +293,14 @@ class EvalWorker:
         return results
 
     def finish(self, version: int, timeout_s: float = 300.0) -> list[dict[str, Any]]:
-        """Evaluate `version` (the job's last) once its weights are here, if not done yet; then
-        take_results()."""
+        """Evaluate `version` (the job's last) once its weights are here, if not done or due
+        yet; then take_results()."""
         with self._cond:
             self._final = version
-            if self._newest is not None and self._newest.version == version and self._evaluated != version:
-                self._due = self._newest
-                self._cond.notify_all()
+            newest = self._newest
+            if (newest is not None and newest.version == version and self._evaluated != version
+                    and all(u is not newest for u in self._due)):
+                self._wait_for(newest)
             if not self._cond.wait_for(lambda: self._evaluated == version, timeout_s):
                 log.warning("evaluator: version %d not evaluated within %.0f s", version, timeout_s)
         return self.take_results()

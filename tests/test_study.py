@@ -1,0 +1,64 @@
+"""`async-rlhf study staleness`: the lag that realises k, the area under the held-out curve, and
+a reduced study through the CLI on the real components."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from async_rlhf.staleness import lagged_version
+from async_rlhf.launch.study import aggregate, area
+
+
+def test_lagged_version_generates_with_the_version_k_behind():
+    assert lagged_version([0], 0, 0) == 0
+    assert lagged_version([0, 1, 2, 3], 3, 0) == 3
+    assert lagged_version([0, 1, 2], 2, 4) == 0  # V < k: the initial weights, staleness V
+    assert lagged_version([3, 4, 5, 6, 7], 7, 4) == 3
+    assert lagged_version([7], 7, 4) == 7  # joined late: the oldest it has, never one it lacks
+
+
+def _curve(*points):
+    return [{"version": v, "eval_reward": r} for v, r in points]
+
+
+def test_area_is_the_mean_reward_over_the_versions():
+    assert area(_curve((0, 0.0), (10, 1.0)), 10) == pytest.approx(0.5)
+    assert area(_curve((0, 0.2), (5, 0.2), (10, 0.8), (15, 1.0)), 10) == pytest.approx(0.35)
+    with pytest.raises(ValueError, match="from version 0 to 10"):
+        area(_curve((5, 0.2), (10, 0.8)), 10)
+
+
+def test_aggregate_compares_each_loss_with_its_own_k0():
+    runs = [{"loss": loss, "k": k, "curve": _curve((0, 0.0), (10, top), (20, 1.0))}
+            for loss, k, top in [("a", 0, 1.0), ("a", 0, 0.6), ("a", 4, 0.6), ("b", 0, 0.2), ("b", 4, 0.2)]]
+    cells = {(c["loss"], c["k"]): c for c in aggregate(runs)}
+    # area of (0, 0), (10, top), (20, 1) over 0..20: (2 top + 1) / 4
+    assert cells[("a", 0)]["auc_mean"] == pytest.approx(0.65) and cells[("a", 0)]["seeds"] == 2
+    assert cells[("a", 4)]["auc_rel"] == pytest.approx(0.55 / 0.65)
+    assert cells[("b", 4)]["auc_rel"] == pytest.approx(1.0) and cells[("b", 0)]["auc_sd"] == 0.0
+
+
+@pytest.mark.slow
+def test_reduced_study_realises_k_and_writes_its_report(tmp_path, tiny_actor_model):
+    """k in {0, 2}, one loss, one seed, 4 steps of 8 samples: the k = 2 run trains each step on
+    samples exactly min(V, 2) versions old, and the report's three files are written."""
+    out = tmp_path / "study"
+    cmd = [sys.executable, "-m", "async_rlhf.launch.cli", "study", "staleness", "--config", "configs/study.yaml",
+           "--out", str(out), "--staleness", "0,2", "--losses", "decoupled-truncate", "--seeds", "0",
+           "--steps", "4", f"model.path={tiny_actor_model}", "generator.group_size=2",
+           "generator.max_inflight=8", "learner.batch_size=8", "learner.micro_batch=4",
+           "eval.every=2", "eval.prompts=4"]
+    env = {**os.environ, "ASYNC_RLHF_HOME": str(tmp_path / "home")}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "study.json").read_text())
+    hists = {r["k"]: r["staleness_hist"] for r in report["runs"]}
+    assert hists == {0: {"0": 32}, 2: {"0": 8, "1": 8, "2": 16}}
+    for r in report["runs"]:
+        assert [c["version"] for c in r["curve"]] == [0, 2, 4] and r["lost"] == 0
+    assert [c["auc_rel"] for c in report["cells"]] == [1.0, pytest.approx(report["cells"][1]["auc_mean"]
+                                                                          / report["cells"][0]["auc_mean"])]
+    assert (out / "study.png").stat().st_size > 0 and "| decoupled-truncate | 2 |" in (out / "study.md").read_text()
