@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,3 +39,25 @@ def process_age_s() -> float:
     start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
     uptime_s = float(Path("/proc/uptime").read_text().split()[0])
     return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+# torch.distributed rendezvous variables: a child is a lone process or a whole job of its own,
+# never a member of a group this process (or the shell, under torchrun or SLURM) set up.
+_RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_child(argv: list[str], log_path: Path, timeout_s: float) -> int:
+    """Run a child to completion; if we are interrupted or it overruns, stop it (SIGTERM: a job
+    stops its generators and Ray cleanly) before going on."""
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            return proc.wait(timeout_s)
+        except BaseException:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise

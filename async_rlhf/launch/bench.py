@@ -56,13 +56,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from async_rlhf.launch.bench_report import plot, summarise, verdicts, write_markdown
+from async_rlhf.procs import run_child
 
 # generator.schedule and generator.weight_updates of each --modes name
 MODES = {"inflight": ("stream", "inflight"), "between_groups": ("stream", "between_groups"),
@@ -218,28 +218,6 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-# torch.distributed rendezvous variables: a child is a lone process or a whole job of its own,
-# never a member of a group this process (or the shell, under torchrun or SLURM) set up.
-_RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _spawn(argv: list[str], log_path: Path, timeout_s: float) -> int:
-    """Run a child to completion; if we are interrupted or it overruns, stop it (SIGTERM: a job
-    stops its generators and Ray cleanly) before going on."""
-    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            return proc.wait(timeout_s)
-        except BaseException:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            raise
-
-
 def measure_bounds(args: argparse.Namespace, out: Path, when: str) -> dict[str, Any]:
     """Each stage alone, in a fresh process, into OUT/bounds/WHEN/."""
     from buffer.redis_server import EmbeddedRedis
@@ -253,7 +231,7 @@ def measure_bounds(args: argparse.Namespace, out: Path, when: str) -> dict[str, 
         for stage in ("gen", "engine", "train"):
             load = _load()
             log_path = where / f"{stage}.log"
-            code = _spawn([*base, "--worker", stage, "--redis-url", redis.url], log_path, 900)
+            code = run_child([*base, "--worker", stage, "--redis-url", redis.url], log_path, 900)
             lines = [l for l in log_path.read_text().splitlines() if l.startswith("BENCH-RESULT ")]
             if code != 0 or not lines:
                 raise RuntimeError(f"{stage} bound failed (exit {code}); see {log_path}")
@@ -331,7 +309,7 @@ def run_setting(args: argparse.Namespace, s: dict[str, Any], out: Path, steps: i
         (run_dir / stale).unlink(missing_ok=True)
     s["load_before"] = _load()
     start = time.time()
-    code = _spawn(argv, out / "runs" / f"{s['name']}.log", 1800)
+    code = run_child(argv, out / "runs" / f"{s['name']}.log", 1800)
     s["job_wall_s"] = time.time() - start  # from the command to its exit
     s["load_after"] = _load()
     if code != 0:

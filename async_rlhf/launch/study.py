@@ -80,7 +80,7 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run_one(args: argparse.Namespace, run: dict[str, Any], out: Path, steps: int, ray_address: str) -> Path:
-    from async_rlhf.launch.bench import _spawn
+    from async_rlhf.procs import run_child
 
     ratio_to, correction = LOSSES[run["loss"]]
     run_dir = out / "runs" / run["name"]
@@ -94,7 +94,7 @@ def run_one(args: argparse.Namespace, run: dict[str, Any], out: Path, steps: int
         (run_dir / stale).unlink(missing_ok=True)
     start = time.time()
     log_path = out / "runs" / f"{run['name']}.log"
-    code = _spawn(argv, log_path, 1800)
+    code = run_child(argv, log_path, 1800)
     run["wall_s"] = time.time() - start
     if code != 0:
         raise RuntimeError(f"run {run['name']} failed (exit {code}); see {log_path}")
