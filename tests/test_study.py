@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from async_rlhf.staleness import lagged_version
 from async_rlhf.launch.study import aggregate, area
+from async_rlhf.staleness import lagged_version
 
 
 def test_lagged_version_generates_with_the_version_k_behind():

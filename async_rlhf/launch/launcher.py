@@ -29,8 +29,9 @@ from typing import Any
 
 import yaml
 
-from async_rlhf.launch.cli import add_config_arguments, config_from_args
 from async_rlhf.config import Config, redact_url
+from async_rlhf.launch.cli import add_config_arguments, config_from_args
+from async_rlhf.launch.metrics import MetricsLog
 from buffer.redis_stream import RedisExperienceQueue, not_trained
 
 log = logging.getLogger("async_rlhf")
@@ -83,7 +84,7 @@ class Job:
         self.queue: RedisExperienceQueue | None = None
         self.learners: list[Any] = []
         self.evaluator = None  # the EvalWorker actor when eval.every > 0
-        self.tb = None
+        self.metrics: MetricsLog | None = None  # opened once the generators are up
         self.startup: dict[str, float] = {}  # phase -> seconds since the command started
         self.placement_line = ""  # what placement: auto chose, and why
         self.summary: dict[str, Any] = {}  # summary.json: written at the end, then with shutdown_s
@@ -359,15 +360,12 @@ class Job:
 
     # -- the loop --------------------------------------------------------------------------
     def _loop(self) -> int:
-        from torch.utils.tensorboard import SummaryWriter
-
         ray, cfg = self.ray, self.cfg
-        self.tb = SummaryWriter(str(self.out / "tensorboard"))
         self._wait_for_generators(timeout_s=600)  # first engines up (model load, vLLM start)
         if self.evaluator is not None:
             ray.get(self.evaluator.__ray_ready__.remote(), timeout=600)
         self._mark("generators")
-        metrics_file = (self.out / "metrics.jsonl").open("a")
+        self.metrics = MetricsLog(self.out, cfg.learner.steps)
         version = self.start_version
         self._new_epoch()
         while version < cfg.learner.steps:
@@ -379,12 +377,11 @@ class Job:
                 continue
             version = metrics["version"]
             reason = ray.get(self.coordinator.stop_requested.remote())
-            self._record(metrics, time.perf_counter() - step_start, metrics_file,
+            self._record(metrics, time.perf_counter() - step_start,
                          last=bool(reason) or version >= cfg.learner.steps)
             if reason:
                 print(f"stopping: {reason}")
                 break
-        metrics_file.close()
         return 0
 
     def _step(self) -> dict[str, Any]:
@@ -479,22 +476,16 @@ class Job:
 
     def _evaluations(self, version: int, last: bool) -> list[dict[str, Any]]:
         """Held-out evaluations finished since the last step (at the last step, after that
-        version's own): TensorBoard gets each at the version it evaluated."""
+        version's own), each logged at the version it evaluated."""
         if self.evaluator is None:
             return []
         ray = self.ray
         evals = ray.get(self.evaluator.finish.remote(version) if last else self.evaluator.take_results.remote())
         for e in evals:
-            for key, value in e.items():
-                if key.startswith("eval_"):
-                    self.tb.add_scalar(key, value, e["policy_version"])
-            print(f"eval v{e['policy_version']:>4}  reward {e['eval_reward']:.3f} (greedy, "
-                  f"{e['eval_prompts']} held-out prompts)" + "".join(
-                      f"  {k[5:]} {v:.3f}" for k, v in e.items() if k.startswith(("eval_pass@", "eval_reward_s")))
-                  + f"  {e['eval_s']:.1f} s", flush=True)
+            self.metrics.evaluation(e)
         return evals
 
-    def _record(self, m: dict[str, Any], step_s: float, metrics_file, last: bool = False) -> None:
+    def _record(self, m: dict[str, Any], step_s: float, last: bool = False) -> None:
         ray = self.ray
         if "first_step" not in self.startup:
             self._mark("first_step")
@@ -520,16 +511,7 @@ class Job:
         }
         if evals := self._evaluations(m["version"], last):
             row["evals"] = evals
-        metrics_file.write(json.dumps(row, default=float) + "\n")
-        metrics_file.flush()
-        for key, value in row.items():
-            if isinstance(value, (int, float)):
-                self.tb.add_scalar(key, value, m["version"])
-        print(f"step {m['version']:>4}/{self.cfg.learner.steps}  reward {m['reward_mean']:.3f}  "
-              f"loss {m.get('loss', float('nan')):+.4f}  staleness max {m['staleness_max']} "
-              f"mean {m['staleness_mean']:.2f}  {row['samples_per_s']:.1f} samples/s  "
-              f"sync {m.get('weight_sync_s', 0.0) * 1000:.0f} ms  gens {len(self.generators)}  "
-              f"t {elapsed:.0f}s", flush=True)
+        self.metrics.step(row)
 
     def _snapshot(self) -> dict[str, Any]:
         m = self.last_metrics
@@ -567,8 +549,8 @@ class Job:
         if self.error:
             summary["error"] = self.error
         self._write_summary()
-        if self.tb is not None:
-            self.tb.close()
+        if self.metrics is not None:
+            self.metrics.close()
         print("summary: " + ", ".join(f"{k}={summary[k]}" for k in ACCOUNTING if k in summary)
               + (f"; error: {self.error.splitlines()[0]}" if self.error else ""))
 
