@@ -61,7 +61,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from async_rlhf.launch.bench_report import plot, summarise, verdicts, write_markdown
+from async_rlhf.launch.bench_report import plot, save, summarise, verdicts, write_markdown
+from async_rlhf.launch.cli import int_list
 from async_rlhf.procs import run_child
 
 # generator.schedule and generator.weight_updates of each --modes name
@@ -86,16 +87,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", choices=["gen", "engine", "train"], help=argparse.SUPPRESS)  # internal
     parser.add_argument("--redis-url", help=argparse.SUPPRESS)  # internal: the bounds' stream
     parser.add_argument("overrides", nargs="*", default=[], help="key=value config overrides")
-
-
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"--{name} must be a comma list of integers, e.g. 0,1,2, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise SystemExit(f"--{name} must list integers >= 0, got {text!r}")
-    return values
 
 
 def _load() -> str:
@@ -274,8 +265,8 @@ def settings(args: argparse.Namespace, cfg, bounds: dict[str, Any] | None = None
     if unknown:
         raise SystemExit(f"--modes lists {unknown[0]!r}: choose from {', '.join(MODES)}")
     for mode in modes or [""]:
-        for g in _ints(args.generators, "generators"):
-            for k in _ints(args.staleness, "staleness"):
+        for g in int_list(args.generators, "generators"):
+            for k in int_list(args.staleness, "staleness"):
                 out.append({"name": f"dedicated-k{k}-g{g}" + (f"-{mode}" if mode else ""),
                             "placement": "dedicated", "max_staleness": k, "generators": g,
                             "generator_threads": cfg.generator.threads,
@@ -291,7 +282,7 @@ def settings(args: argparse.Namespace, cfg, bounds: dict[str, Any] | None = None
     costs = ([f"stage_costs.generator_s={bounds['gen']['threads'] / bounds['gen']['samples_per_s']}",
               f"stage_costs.learner_s={bounds['train']['threads'] / bounds['train']['samples_per_s']}"]
              if bounds else [])
-    for k in _ints(args.auto, "auto") if args.auto else []:
+    for k in int_list(args.auto, "auto") if args.auto else []:
         out.append({"name": f"auto-k{k}", "placement": "auto", "max_staleness": k, "mode": "",
                     "overrides": [f"max_staleness={k}", "placement=auto", *costs],
                     "allocation": "placement: auto, from the stage bounds measured before"
@@ -367,9 +358,5 @@ def run(args: argparse.Namespace) -> int:
               "batch_size": cfg.learner.batch_size, "wall_s": time.time() - start,
               "bounds": bounds, "runs": runs}
     report["verdicts"] = verdicts(runs, bounds)
-    (out / "bench.json").write_text(json.dumps(report, indent=2, default=float) + "\n")
-    write_markdown(report, out / "bench.md")
-    plot(report, out / "bench.png")
-    print((out / "bench.md").read_text())
-    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'} in {report['wall_s']:.0f} s")
+    save(report, out, "bench", write_markdown, plot)
     return 0

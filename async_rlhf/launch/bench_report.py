@@ -260,3 +260,12 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def save(report: dict, out: Path, stem: str, markdown, plot_to) -> None:
+    """OUT/STEM.json, .md (also printed) and .png of a bench or study report."""
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2, default=float) + "\n")
+    markdown(report, out / f"{stem}.md")
+    plot_to(report, out / f"{stem}.png")
+    print((out / f"{stem}.md").read_text())
+    print(f"wrote {out / stem}.json, .md and .png in {report['wall_s'] / 60:.1f} min")

@@ -61,6 +61,17 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. learner.lr=1e-5")
 
 
+def int_list(text: str, name: str) -> list[int]:
+    """The integers >= 0 of a comma list given as --NAME (bench, study)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--{name} must be a comma list of integers, e.g. 0,1,2, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise SystemExit(f"--{name} must list integers >= 0, got {text!r}")
+    return values
+
+
 def config_from_args(args: argparse.Namespace):
     from async_rlhf.config import load_config
 

@@ -40,6 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from async_rlhf.launch.bench_report import save
+from async_rlhf.launch.cli import int_list
+
 LOSSES = {  # name -> (learner.ratio_to, learner.correction)
     "decoupled-truncate": ("prox", "truncate"),
     "decoupled-mask": ("prox", "mask"),
@@ -59,24 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", default=[], help="key=value config overrides")
 
 
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"--{name} must be a comma list of integers, e.g. 0,1,2, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise SystemExit(f"--{name} must list integers >= 0, got {text!r}")
-    return values
-
-
 def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     losses = [name for name in args.losses.split(",") if name]
     unknown = sorted(set(losses) - set(LOSSES))
     if unknown or not losses:
         raise SystemExit(f"--losses lists {unknown[0] if unknown else 'nothing'!r}: choose from {', '.join(LOSSES)}")
     return [{"name": f"{loss}-k{k}-s{seed}", "loss": loss, "k": k, "seed": seed}
-            for k in _ints(args.staleness, "staleness") for loss in losses
-            for seed in _ints(args.seeds, "seeds")]
+            for k in int_list(args.staleness, "staleness") for loss in losses
+            for seed in int_list(args.seeds, "seeds")]
 
 
 def run_one(args: argparse.Namespace, run: dict[str, Any], out: Path, steps: int, ray_address: str) -> Path:
@@ -194,8 +187,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     from actors.model_init import ensure_model
     from actors.tasks import examples, prompt_blind_ceiling
-    from async_rlhf.launch import cluster
     from async_rlhf.config import load_config
+    from async_rlhf.launch import cluster
 
     cfg = load_config(args.config, args.overrides)
     if not cfg.eval.every:
@@ -226,9 +219,5 @@ def run(args: argparse.Namespace) -> int:
               "eval_prompts": cfg.eval.prompts, "wall_s": time.time() - start,
               "blind_ceiling": round(prompt_blind_ceiling(heldout), 3) if heldout else None,
               "cells": aggregate(runs), "runs": runs}
-    (out / "study.json").write_text(json.dumps(report, indent=2, default=float) + "\n")
-    write_markdown(report, out / "study.md")
-    plot(report, out / "study.png")
-    print((out / "study.md").read_text())
-    print(f"wrote {out / 'study.json'}, {out / 'study.md'}, {out / 'study.png'} in {report['wall_s'] / 60:.1f} min")
+    save(report, out, "study", write_markdown, plot)
     return 0
