@@ -9,13 +9,9 @@ default reward `actors.tasks:score` needs nothing but the prompt and the respons
            few dozen learner steps (a random-init tiny model starts near 0.05 with 16 new tokens).
   echo     prompt-conditioned. "echo 3: 482=" -> reward = min(number of 3s in the response, 8) / 8:
            the count task with the digit (1-4) named in the prompt. A policy that ignores the
-           prompt scores at most 0.5, so a reward above it shows the prompt is being read. Seen
-           on the tiny model with configs/demo.yaml and learner.steps=300 (lr 1e-3), two runs:
-           0.19 at step 20 -> 0.78 at 120 -> 0.64 at 300 (noisy), and 0.22 -> 0.91 at 200 ->
-           0.99 at 300 (then without the digits after the colon, which give the held-out split
-           prompt texts to hold out). With all ten digits it plateaued near 0.2 in 300 steps.
-           The cap lets a prompt-blind response (8 of one digit, 8 of another) score 1 on half
-           the prompts, a plateau that `pick` does not have.
+           prompt scores at most 0.5 on average, but the cap lets a prompt-blind response (8 of
+           one digit, 8 of another) score 1 on half the prompts, a plateau `pick` does not have;
+           its runs are noisy.
   pick     prompt-conditioned, for evaluation. "pick 4821 c" -> reward = the share of the
            response's characters that are the letter named last (a-d; the digits only vary the
            prompt); 0 for an empty response. No cap: only a response made of the named letter

@@ -266,7 +266,7 @@ class LearnerConfig(_Section):
 class StageCosts(_Section):
     """Device-seconds one stage spends per sample on one device (a CPU core running one thread,
     or a GPU), which `placement: auto` sizes the stages from (async_rlhf/launch/placement.py). The
-    defaults are the small preset on a 2-core CPU box (DESIGN.md): the learner ~5.4 s per 64
+    defaults are the small preset on a 2-core CPU box (README, Benchmarks): the learner ~5.4 s per 64
     samples on one thread, vLLM ~1.3 s per 64 with 64 sequences in flight. `async-rlhf bench`
     measures them (its stage bounds) for its auto settings."""
 

@@ -110,7 +110,7 @@ class VLLMEngine:
         self._version = 0
         self.llm = LLM(
             model=str(model_path),
-            dtype="float32",  # bf16 log-probs differ from the learner's by up to 0.5 (DESIGN.md)
+            dtype="float32",  # bf16 log-probs differ from the learner's by up to 0.5 here
             enforce_eager=True,
             gpu_memory_utilization=0.3 if self.device == "cpu" else 0.5,
             tensor_parallel_size=tensor_parallel,

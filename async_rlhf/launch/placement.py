@@ -16,13 +16,13 @@ idles for the rest.
   generation, the generator's core idles ~3/4 of the time). So the generators keep their share
   (rounded up, at least one engine), and the learner gets every core as data-parallel ranks of
   one thread each (ranks scale on CPU; a rank's extra threads gain little on small matrices:
-  DESIGN.md): the learner runs wherever the generators leave a core idle, and a generator that
+  bench-learner): the learner runs wherever the generators leave a core idle, and a generator that
   waits on the staleness gate sleeps, yielding its core. Throughput is then bounded by
   N / (c_gen + c_learn), the perfect packing of both stages' work on the machine.
   The ranks are the largest divisor of the batch's micro-batches that fits the cores; the cores
   left over go to each rank as threads.
 
-Costs come from the config (`stage_costs`: defaults measured on the small preset, DESIGN.md) or
+Costs come from the config (`stage_costs`: defaults measured on the small preset) or
 from measurement (`async-rlhf bench` passes its stage bounds to its auto settings).
 """
 
