@@ -341,8 +341,20 @@ class Config(_Section):
             f"a multiple of generator.group_size ({self.generator.group_size})",
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_yaml(self) -> str:
+        """The resolved config as YAML, fit to print or keep (a Redis password is redacted)."""
+        resolved = dataclasses.asdict(self)
+        if self.queue.redis_url:  # the url and password stay in the job record (0600) only
+            resolved["queue"]["redis_url"] = redact_url(self.queue.redis_url)
+        return yaml.safe_dump(resolved, sort_keys=False)
+
+    @staticmethod
+    def json_schema() -> dict[str, Any]:
+        """JSON schema of the config file (types, allowed values, defaults); the checks that
+        relate keys to each other are in each section's _validate."""
+        from pydantic import TypeAdapter
+
+        return TypeAdapter(Config).json_schema()
 
 
 _SECTIONS: dict[str, type] = {

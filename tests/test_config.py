@@ -1,7 +1,10 @@
-import pytest
+import json
 
-from async_rlhf.launch.cli import COMMANDS, main
+import pytest
+import yaml
+
 from async_rlhf.config import Config, ConfigError, load_config, parse_override
+from async_rlhf.launch.cli import COMMANDS, main
 
 
 def test_defaults_are_valid():
@@ -111,3 +114,21 @@ def test_redact_url_hides_user_and_password():
     assert redact_url("redis://:s3cret@127.0.0.1:6379/0") == "redis://***@127.0.0.1:6379/0"
     assert redact_url("redis://user:p@ss@host:1/0") == "redis://***@host:1/0"
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_config_command_shows_the_resolved_config_and_its_schema(capsys):
+    assert main(["config", "--config", "configs/demo.yaml", "learner.lr=3e-4",
+                 "queue.redis_url=redis://:s3cret@127.0.0.1:6379/0"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["learner"]["lr"] == 3e-4 and shown["job"] == "demo"
+    assert shown["queue"]["redis_url"] == "redis://***@127.0.0.1:6379/0"
+    assert main(["config", "--schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    generator = schema["$defs"]["GeneratorConfig"]["properties"]
+    assert generator["schedule"]["enum"] == ["stream", "lockstep"]
+
+
+def test_a_bad_value_ends_the_command_with_the_key_and_no_traceback(capsys):
+    assert main(["train", "learner.lr=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "config error: learner.lr must be > 0, got -1.0" in err and "Traceback" not in err

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench-gen": ("actors.bench", "generation throughput: vLLM engine vs transformers", ""),
     "bench-learner": ("learners.bench", "learner throughput and time split", ""),
     "bench": ("async_rlhf.launch.bench", "async vs sync training throughput, stage bounds, idle and staleness", ""),
+    "config": ("async_rlhf.launch.cli", "print the resolved config (--show) or its JSON schema (--schema)", "show_config"),
     "study": ("async_rlhf.launch.study", "learning under staleness: held-out reward by k and loss, over seeds", ""),
 }
 
@@ -48,8 +49,14 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Callable[[
 
 
 def main(argv: list[str] | None = None) -> int:
+    from async_rlhf.config import ConfigError
+
     args, runner = parse(argv)
-    return int(runner(args) or 0)
+    try:
+        return int(runner(args) or 0)
+    except ConfigError as e:  # the message names the key, the value and what is allowed
+        print(f"async-rlhf {args.command}: config error: {e}", file=sys.stderr)
+        return 2
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +66,25 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", help="job name (Ray namespace)")
     parser.add_argument("--out", help="output directory")
     parser.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. learner.lr=1e-5")
+
+
+def add_show_config_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--show", action="store_true", help="the config a job would run with (default)")
+    what.add_argument("--schema", action="store_true", help="the config file's JSON schema")
+
+
+def run_show_config(args: argparse.Namespace) -> int:
+    if args.schema:
+        import json
+
+        from async_rlhf.config import Config
+
+        print(json.dumps(Config.json_schema(), indent=2))
+    else:
+        print(config_from_args(args).to_yaml(), end="")
+    return 0
 
 
 def int_list(text: str, name: str) -> list[int]:

@@ -27,8 +27,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from async_rlhf.config import Config, redact_url
 from async_rlhf.launch.cli import add_config_arguments, config_from_args
 from async_rlhf.launch.metrics import MetricsLog
@@ -104,10 +102,7 @@ class Job:
         self.cfg, self.placement_line = apply_placement(self.cfg, devices, gpu=gpus > 0)
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        resolved = cfg.to_dict()
-        if cfg.queue.redis_url:  # the url and password stay in the job record (0600) only
-            resolved["queue"]["redis_url"] = redact_url(cfg.queue.redis_url)
-        (self.out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        (self.out / "config.yaml").write_text(cfg.to_yaml())
         print(f"async-rlhf: job {cfg.job!r}, max_staleness={cfg.max_staleness}, out={self.out}")
         if self.placement_line:
             print(self.placement_line, flush=True)
