@@ -395,8 +395,16 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         specs = kwargs["rewards"]
         if not isinstance(specs, list):
             raise ConfigError(f"rewards must be a list of mappings, got {specs!r}")
-        kwargs["rewards"] = tuple(_build(RewardSpec, s, f"rewards[{i}].") for i, s in enumerate(specs))
+        kwargs["rewards"] = tuple(_reward(i, spec) for i, spec in enumerate(specs))
     return cls(**kwargs)
+
+
+def _reward(i: int, raw: Any) -> RewardSpec:
+    """rewards[i]; its errors name the key as the YAML spells it (RewardSpec says reward.KEY)."""
+    try:
+        return _build(RewardSpec, raw, f"rewards[{i}].")
+    except ConfigError as e:
+        raise ConfigError(str(e).replace(RewardSpec._prefix, f"rewards[{i}].", 1)) from None
 
 
 def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:

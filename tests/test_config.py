@@ -39,6 +39,12 @@ def test_rewards_list(tmp_path):
     cfg = load_config(path)
     assert [r.kind for r in cfg.rewards] == ["function", "http"]
     assert cfg.rewards[1].timeout_s == 2.0
+    path.write_text("rewards:\n  - {target: 'actors.tasks:score'}\n  - {kind: bogus, target: x}\n")
+    with pytest.raises(ConfigError, match=r"^rewards\[1\]\.kind must be one of"):
+        load_config(path)
+    path.write_text("rewards:\n  - {target: 'actors.tasks:score', retries: -1}\n")
+    with pytest.raises(ConfigError, match=r"^rewards\[0\]\.retries must be >= 0"):
+        load_config(path)
 
 
 @pytest.mark.parametrize(
