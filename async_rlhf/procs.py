@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
@@ -46,18 +49,45 @@ def process_age_s() -> float:
 _RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def run_child(argv: list[str], log_path: Path, timeout_s: float) -> int:
-    """Run a child to completion; if we are interrupted or it overruns, stop it (SIGTERM: a job
-    stops its generators and Ray cleanly) before going on."""
+def run_child(argv: list[str], log_path: Path, timeout_s: float,
+              stop: threading.Event | None = None) -> int:
+    """Run a child to completion; its exit code. If we are interrupted, it overruns or `stop` is
+    set (from another thread: a child run by a worker thread), stop it first (SIGTERM: a job
+    stops its generators and Ray cleanly); `stop` then makes it return the child's code."""
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    deadline = time.monotonic() + timeout_s
     with log_path.open("w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            return proc.wait(timeout_s)
+            while not (stop is not None and stop.is_set()):
+                try:
+                    return proc.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        raise
+            _terminate(proc)
+            return proc.returncode
         except BaseException:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            _terminate(proc)
             raise
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt in the main thread, so a command stops as
+    Ctrl-C stops it, cleanly (SIGINT too when a shell started us in the background, with SIGINT
+    ignored). Call it after ray.init, which installs handlers of its own."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

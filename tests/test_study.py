@@ -3,8 +3,10 @@ a reduced study through the CLI on the real components."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -62,3 +64,27 @@ def test_reduced_study_realises_k_and_writes_its_report(tmp_path, tiny_actor_mod
     assert [c["auc_rel"] for c in report["cells"]] == [1.0, pytest.approx(report["cells"][1]["auc_mean"]
                                                                           / report["cells"][0]["auc_mean"])]
     assert (out / "study.png").stat().st_size > 0 and "| decoupled-truncate | 2 |" in (out / "study.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_stopped_study_ends_its_runs_and_starts_no_more(tmp_path, tiny_actor_model):
+    """SIGTERM (or Ctrl-C) while the first of two runs trains: the run is stopped, the second
+    never starts, and the study exits; none of its `train` processes is left."""
+    out = tmp_path / "study"
+    cmd = [sys.executable, "-m", "async_rlhf.launch.cli", "study", "staleness", "--config", "configs/study.yaml",
+           "--out", str(out), "--staleness", "0,1", "--losses", "naive", "--seeds", "0", "--parallel", "1",
+           "--steps", "100000", f"model.path={tiny_actor_model}", "generator.group_size=2",
+           "generator.max_inflight=8", "learner.batch_size=8", "learner.micro_batch=4", "eval.prompts=4"]
+    env = {**os.environ, "ASYNC_RLHF_HOME": str(tmp_path / "home")}
+    study = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    metrics = out / "runs" / "naive-k0-s0" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert study.poll() is None and time.monotonic() < deadline, study.stdout.read()[-3000:]
+        time.sleep(1)
+    study.send_signal(signal.SIGTERM)
+    output = study.communicate(timeout=120)[0]
+    assert study.returncode != 0 and "study stopped" in output, output[-3000:]
+    assert not (out / "runs" / "naive-k1-s0.log").exists()
+    trains = subprocess.run(["pgrep", "-f", f"job=study-{study.pid}-"], capture_output=True, text=True)
+    assert trains.stdout == "", trains.stdout

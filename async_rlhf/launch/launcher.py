@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from contextlib import ExitStack
@@ -30,6 +29,7 @@ from typing import Any
 from async_rlhf.config import Config, redact_url
 from async_rlhf.launch.cli import add_config_arguments, config_from_args
 from async_rlhf.launch.metrics import MetricsLog
+from async_rlhf.procs import stop_on_signals
 from buffer.redis_stream import RedisExperienceQueue, not_trained
 
 log = logging.getLogger("async_rlhf")
@@ -47,10 +47,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args)
     return Job(cfg, ray_address=args.ray_address, resume=args.resume).run()
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt  # SIGTERM stops the job as Ctrl-C does: cleanly
 
 
 class Job:
@@ -153,9 +149,7 @@ class Job:
             self.cluster.wait_ready()
         self._connect_ray()
         self._mark("ray")
-        signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which sets its own
-        # also when started in the background, where shells start us with SIGINT ignored
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        stop_on_signals()  # after ray.init, which sets its own
 
     def _check_fresh_stream(self) -> None:
         """A new job must not train on (or count) another run's groups. A resumed one counts

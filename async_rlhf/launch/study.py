@@ -34,6 +34,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,7 @@ from typing import Any
 
 from async_rlhf.launch.bench_report import save
 from async_rlhf.launch.cli import int_list
+from async_rlhf.procs import run_child, stop_on_signals
 
 LOSSES = {  # name -> (learner.ratio_to, learner.correction)
     "decoupled-truncate": ("prox", "truncate"),
@@ -72,8 +74,8 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
             for seed in int_list(args.seeds, "seeds")]
 
 
-def run_one(args: argparse.Namespace, run: dict[str, Any], out: Path, steps: int, ray_address: str) -> Path:
-    from async_rlhf.procs import run_child
+def run_one(args: argparse.Namespace, run: dict[str, Any], out: Path, steps: int, ray_address: str,
+            stop: threading.Event) -> Path:
 
     ratio_to, correction = LOSSES[run["loss"]]
     run_dir = out / "runs" / run["name"]
@@ -87,8 +89,10 @@ def run_one(args: argparse.Namespace, run: dict[str, Any], out: Path, steps: int
         (run_dir / stale).unlink(missing_ok=True)
     start = time.time()
     log_path = out / "runs" / f"{run['name']}.log"
-    code = run_child(argv, log_path, 1800)
+    code = run_child(argv, log_path, 1800, stop)
     run["wall_s"] = time.time() - start
+    if stop.is_set():
+        raise KeyboardInterrupt
     if code != 0:
         raise RuntimeError(f"run {run['name']} failed (exit {code}); see {log_path}")
     return run_dir
@@ -204,14 +208,25 @@ def run(args: argparse.Namespace) -> int:
     start = time.time()
     with cluster.start_local_cluster(num_cpus=per_run * args.parallel) as head:
         os.environ.update(cluster.ray_env(head.token_path))  # the runs' drivers use its token
-        with ThreadPoolExecutor(args.parallel) as pool:
-            def one(r: dict[str, Any]) -> dict[str, Any]:
-                r.update(summarise_run(run_one(args, r, out, steps, head.address), cfg.learner.batch_size))
-                print(f"{r['name']}: {r['wall_s']:.0f} s, held-out reward "
-                      f"{r['curve'][0]['eval_reward']:.3f} -> {r['curve'][-1]['eval_reward']:.3f}, "
-                      f"staleness {r['staleness_hist']}", flush=True)
-                return r
+        stop = threading.Event()
+
+        def one(r: dict[str, Any]) -> dict[str, Any]:
+            r.update(summarise_run(run_one(args, r, out, steps, head.address, stop), cfg.learner.batch_size))
+            print(f"{r['name']}: {r['wall_s']:.0f} s, held-out reward "
+                  f"{r['curve'][0]['eval_reward']:.3f} -> {r['curve'][-1]['eval_reward']:.3f}, "
+                  f"staleness {r['staleness_hist']}", flush=True)
+            return r
+
+        pool = ThreadPoolExecutor(args.parallel)
+        stop_on_signals()
+        try:
             runs = list(pool.map(one, runs))
+        except BaseException:  # Ctrl-C, SIGTERM or a failed run: stop the others, start no more
+            stop.set()
+            print("study stopped: ending the runs in progress", file=sys.stderr, flush=True)
+            raise
+        finally:
+            pool.shutdown(cancel_futures=True)
     heldout = (examples(cfg.data.task, cfg.eval.seed, cfg.eval.prompts, split="heldout")
                if cfg.data.task == "pick" and isinstance(cfg.eval.prompts, int) else None)
     report = {"command": "async-rlhf " + " ".join(sys.argv[1:]), "config": args.config,
