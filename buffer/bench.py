@@ -44,26 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench-queue.json", help="JSON results file")
 
 
-def _groups(n: int, tokens: int, prompt_tokens: int, group_size: int) -> list:
-    """n // group_size groups of group_size random trajectories."""
-    import numpy as np
-
-    from async_rlhf.types import Group, Trajectory
-
-    rng = np.random.default_rng(0)
-    trajs = [
-        Trajectory(
-            prompt_ids=rng.integers(0, 32_000, prompt_tokens, dtype=np.int32),
-            response_ids=rng.integers(0, 32_000, tokens, dtype=np.int32),
-            behavior_logprobs=-rng.random(tokens, dtype=np.float32),
-            reward=float(i % 2), reward_parts={"correct": float(i % 2)}, policy_version=0,
-            generator_id="bench", group_id=f"p{i // group_size}", finished=True,
-        )
-        for i in range(n - n % group_size)
-    ]
-    return [Group(tuple(trajs[i:i + group_size])) for i in range(0, len(trajs), group_size)]
-
-
 def _raw_round(client, groups: list, payloads: list[bytes], batch: int, codec: bool):
     """Raw redis-py: pipelined XADD, XREADGROUP + XACK. With `codec`, also encode before the
     XADDs and decode (and validate) after the reads: the queue's work minus its bookkeeping."""
@@ -118,10 +98,12 @@ def _queue_round(client, groups: list, batch: int) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> int:
     import redis
 
+    from async_rlhf.synthetic import random_groups
     from buffer.codec import encode
     from buffer.redis_server import EmbeddedRedis
 
-    groups = _groups(args.n, args.tokens, args.prompt_tokens, args.group_size)
+    groups = random_groups(args.n // args.group_size, vocab=32_000, prompt_len=args.prompt_tokens,
+                           response_len=args.tokens, group_size=args.group_size)
     args.n = len(groups) * args.group_size  # whole groups
     payloads = [encode(g) for g in groups]
     mb = sum(len(p) for p in payloads) / 1e6

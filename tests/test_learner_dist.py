@@ -51,10 +51,10 @@ def run_ranks(spec: dict, ranks: int, timeout: float = 300) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from learners.memory import build_llama
+    from async_rlhf.synthetic import build_model
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    build_llama("tiny", seed=0).save_pretrained(path)
+    build_model("tiny", seed=0, vocab_size=VOCAB).save_pretrained(path)
     return str(path)
 
 
@@ -135,7 +135,7 @@ def _worker(spec: dict) -> None:
     from buffer.replay import StalenessReplay
     from learners.deepspeed_backend import DeepSpeedBackend
     from learners.learner import Learner
-    from learners.memory import random_groups
+    from async_rlhf.synthetic import random_groups
 
     torch.set_num_threads(1)
     out = Path(spec["out"])

@@ -23,17 +23,17 @@ from learners.deepspeed_backend import DeepSpeedBackend
 from learners.batch import Batch
 from learners.learner import Learner
 from learners.losses import policy_loss
-from learners.memory import random_groups
+from async_rlhf.synthetic import random_groups
 
 VOCAB = 256
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from learners.memory import build_llama
+    from async_rlhf.synthetic import build_model
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    build_llama("tiny", seed=0).save_pretrained(path)
+    build_model("tiny", seed=0, vocab_size=VOCAB).save_pretrained(path)
     return str(path)
 
 
@@ -233,9 +233,9 @@ def test_pi_prox_from_the_training_forward_gives_the_recomputed_update(make_lear
 
 def test_dropout_keeps_the_separate_pi_prox_pass():
     from learners.deepspeed_backend import has_dropout
-    from learners.memory import build_llama
+    from async_rlhf.synthetic import build_model
 
-    model = build_llama("tiny", seed=0)
+    model = build_model("tiny", seed=0)
     assert not has_dropout(model)
     model.config.attention_dropout = 0.1  # applied functionally in Llama's attention
     assert has_dropout(model)
