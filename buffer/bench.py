@@ -95,6 +95,23 @@ def _queue_round(client, groups: list, batch: int) -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
+def _print_table(results: dict) -> None:
+    """The results as a table: rates and their ratios to the raw loops."""
+    print(f"{results['n']} trajectories x {results['tokens']} tokens ({results['bytes_per_traj']:.0f} B "
+          f"each) in groups of {results['group_size']}, batch {results['batch']} groups, median of "
+          f"{results['rounds']} rounds, {results['redis']}")
+    print(f"{'':34}{'traj/s':>9}{'MB/s':>8}{'vs raw':>8}{'vs raw+codec':>14}")
+    rows = (("raw redis-py", "raw"), ("raw redis-py + codec", "raw_codec"),
+            ("RedisExperienceQueue", "queue"))
+    for side, verb in (("produce", "put"), ("consume", "get+ack")):
+        for name, key in rows:
+            r = results[key][side]
+            ratio = f"{r['ratio_to_raw']:.0%}" if "ratio_to_raw" in r else ""
+            ratio_codec = f"{r['ratio_to_raw_codec']:.0%}" if "ratio_to_raw_codec" in r else ""
+            print(f"{name + ' ' + verb:34}{r['traj_per_s']:>9.0f}{r['mb_per_s']:>8.1f}{ratio:>8}"
+                  f"{ratio_codec:>14}")
+
+
 def run(args: argparse.Namespace) -> int:
     import redis
 
@@ -143,19 +160,7 @@ def run(args: argparse.Namespace) -> int:
             r["ratio_to_raw"] = r["traj_per_s"] / results["raw"][side]["traj_per_s"]
             if key == "queue":
                 r["ratio_to_raw_codec"] = r["traj_per_s"] / results["raw_codec"][side]["traj_per_s"]
-    print(f"{args.n} trajectories x {args.tokens} tokens ({results['bytes_per_traj']:.0f} B each) in "
-          f"groups of {args.group_size}, batch {args.batch} groups, median of {args.rounds} rounds, "
-          f"{results['redis']}")
-    print(f"{'':34}{'traj/s':>9}{'MB/s':>8}{'vs raw':>8}{'vs raw+codec':>14}")
-    rows = (("raw redis-py", "raw"), ("raw redis-py + codec", "raw_codec"),
-            ("RedisExperienceQueue", "queue"))
-    for side, verb in (("produce", "put"), ("consume", "get+ack")):
-        for name, key in rows:
-            r = results[key][side]
-            ratio = f"{r['ratio_to_raw']:.0%}" if "ratio_to_raw" in r else ""
-            ratio_codec = f"{r['ratio_to_raw_codec']:.0%}" if "ratio_to_raw_codec" in r else ""
-            print(f"{name + ' ' + verb:34}{r['traj_per_s']:>9.0f}{r['mb_per_s']:>8.1f}{ratio:>8}"
-                  f"{ratio_codec:>14}")
+    _print_table(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
