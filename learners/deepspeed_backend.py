@@ -12,7 +12,6 @@ undo its data-parallel averaging: the summed gradient is then the full batch's, 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from collections.abc import Iterator
@@ -24,8 +23,7 @@ from torch import nn
 
 from async_rlhf.config import LearnerConfig
 from async_rlhf.procs import free_port
-from learners.models import (DTYPES, default_device, evaluating, has_dropout, load_models, response_logprobs,
-                             response_view)
+from learners.models import DTYPES, HeldModels, default_device, load_models
 
 
 def _import_deepspeed():
@@ -60,7 +58,7 @@ def init_distributed(device: str) -> tuple[int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-class DeepSpeedBackend:
+class DeepSpeedBackend(HeldModels):
     """Policy (trained), frozen reference (when kl_coef > 0), critic (when advantage == 'gae').
 
     `policy` is an HF model directory or an already built causal LM (benchmarks). All ranks
@@ -94,7 +92,7 @@ class DeepSpeedBackend:
         torch.manual_seed(seed)
         self.dtype = DTYPES[dtype]
         models = load_models(cfg, policy, self.device, self.dtype)
-        self.reference = models.reference
+        self.model, self.reference = models.policy, models.reference
         self.engine, *_ = deepspeed.initialize(
             model=models.policy,
             optimizer=self._optimizer(models.policy.parameters(), cfg.lr),
@@ -107,22 +105,7 @@ class DeepSpeedBackend:
                 optimizer=self._optimizer(models.critic.parameters(), cfg.critic_lr),
                 config=self._ds_config(),
             )
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.module.config.vocab_size
-
-    @property
-    def has_dropout(self) -> bool:
-        return has_dropout(self.engine.module)
-
-    @property
-    def has_reference(self) -> bool:
-        return self.reference is not None
-
-    @property
-    def has_critic(self) -> bool:
-        return self.critic is not None
+        self.run_policy = self.engine
 
     # -- setup -----------------------------------------------------------------------------
     def _optimizer(self, params, lr: float):
@@ -149,32 +132,6 @@ class DeepSpeedBackend:
         }
 
     # -- forward / backward ----------------------------------------------------------------
-    def logprobs(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        positions: torch.Tensor,
-        *,
-        reference: bool = False,
-        with_entropy: bool = False,
-        entropy_grad: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """log pi(response tokens) [B, T] (and entropy [B, T]) at the sampling temperature, of the
-        policy or the frozen reference (learners/models.py response_logprobs)."""
-        model = self.reference if reference else self.engine
-        if model is None:
-            raise ValueError("no reference model: it is loaded only when learner.kl_coef > 0")
-        return response_logprobs(model, input_ids, attention_mask, positions, self.temperature,
-                                 with_entropy=with_entropy, entropy_grad=entropy_grad)
-
-    def values(self, input_ids, attention_mask, positions) -> torch.Tensor:
-        """Critic values [B, T] of the states before each response token."""
-        return response_view(self.critic(input_ids, attention_mask), positions)
-
-    def inference(self) -> contextlib.AbstractContextManager[None]:
-        """The policy in eval mode, without gradients (pi_prox, reference, critic passes)."""
-        return evaluating(self.engine)
-
     def backward(self, loss: torch.Tensor, *, critic: bool = False) -> None:
         """Back-propagate a rank's share of the global loss (see module docstring)."""
         (self.critic if critic else self.engine).backward(loss * self.world_size, scale_wrt_gas=False)

@@ -1,7 +1,8 @@
 """The models a train backend holds, whatever runs them: the policy, a frozen reference and a
 critic, loaded the same way for every backend, and the response log-probs and values read off
-them. Shapes: input_ids, attention_mask [B, L]; positions [B, T], the index of the logit that
-predicts each response token (prompt_len - 1 + t).
+them (HeldModels, the part of TrainBackend that does not train). Shapes: input_ids,
+attention_mask [B, L]; positions [B, T], the index of the logit that predicts each response
+token (prompt_len - 1 + t).
 """
 
 from __future__ import annotations
@@ -145,3 +146,51 @@ def evaluating(model: nn.Module) -> Iterator[None]:
             yield
     finally:
         model.train()
+
+
+class HeldModels:
+    """The read side of async_rlhf.protocols.TrainBackend, the same for every backend. A backend
+    sets `model` (the policy, an HF causal LM), `run_policy` (what computes its forward: the
+    model, or an engine wrapping it), `reference`, `critic` (a module or engine, or None) and
+    `temperature` (the generators' sampling temperature)."""
+
+    model: nn.Module
+    run_policy: nn.Module
+    reference: nn.Module | None
+    critic: nn.Module | None
+    temperature: float
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def has_dropout(self) -> bool:
+        return has_dropout(self.model)
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    @property
+    def has_critic(self) -> bool:
+        return self.critic is not None
+
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, *,
+                 reference: bool = False, with_entropy: bool = False,
+                 entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log pi(response tokens) [B, T] (and entropy [B, T]) at the sampling temperature, of the
+        policy or the frozen reference (response_logprobs)."""
+        model = self.reference if reference else self.run_policy
+        if model is None:
+            raise ValueError("no reference model: it is loaded only when learner.kl_coef > 0")
+        return response_logprobs(model, input_ids, attention_mask, positions, self.temperature,
+                                 with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+    def values(self, input_ids, attention_mask, positions) -> torch.Tensor:
+        """Critic values [B, T] of the states before each response token."""
+        return response_view(self.critic(input_ids, attention_mask), positions)
+
+    def inference(self) -> contextlib.AbstractContextManager[None]:
+        """The policy in eval mode, without gradients (pi_prox, reference, critic passes)."""
+        return evaluating(self.run_policy)

@@ -9,7 +9,6 @@ samples, and a non-finite gradient norm drops the step.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from pathlib import Path
@@ -18,13 +17,12 @@ import torch
 from torch import nn
 
 from async_rlhf.config import LearnerConfig
-from learners.models import (default_device, evaluating, has_dropout, load_models, response_logprobs,
-                             response_view)
+from learners.models import HeldModels, default_device, load_models
 
 _STATE = "state.pt"
 
 
-class TorchBackend:
+class TorchBackend(HeldModels):
     """Policy (trained), frozen reference (when kl_coef > 0), critic (when advantage == 'gae').
 
     `policy` is an HF model directory or an already built causal LM (tests, benchmarks).
@@ -49,7 +47,7 @@ class TorchBackend:
         self.device = default_device()
         torch.manual_seed(seed)
         models = load_models(cfg, policy, self.device, torch.float32)
-        self.model = models.policy.to(self.device).train()
+        self.model = self.run_policy = models.policy.to(self.device).train()
         self.reference = models.reference
         self.critic = None if models.critic is None else models.critic.to(self.device)
         self._optimizers = {"policy": torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
@@ -60,40 +58,7 @@ class TorchBackend:
         self._accumulate = cfg.batch_size // cfg.minibatches // cfg.micro_batch  # micro-batches per step
         self._micro_steps = dict.fromkeys(self._optimizers, 0)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.model.config.vocab_size
-
-    @property
-    def has_dropout(self) -> bool:
-        return has_dropout(self.model)
-
-    @property
-    def has_reference(self) -> bool:
-        return self.reference is not None
-
-    @property
-    def has_critic(self) -> bool:
-        return self.critic is not None
-
-    # -- forward / backward ----------------------------------------------------------------
-    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, *,
-                 reference: bool = False, with_entropy: bool = False,
-                 entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """See TrainBackend.logprobs (learners/models.py response_logprobs)."""
-        model = self.reference if reference else self.model
-        if model is None:
-            raise ValueError("no reference model: it is loaded only when learner.kl_coef > 0")
-        return response_logprobs(model, input_ids, attention_mask, positions, self.temperature,
-                                 with_entropy=with_entropy, entropy_grad=entropy_grad)
-
-    def values(self, input_ids, attention_mask, positions) -> torch.Tensor:
-        """Critic values [B, T] of the states before each response token."""
-        return response_view(self.critic(input_ids, attention_mask), positions)
-
-    def inference(self) -> contextlib.AbstractContextManager[None]:
-        return evaluating(self.model)
-
+    # -- training --------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, critic: bool = False) -> None:
         """Accumulate the gradient of the loss (the whole batch's share: one rank)."""
         loss.backward()
