@@ -10,19 +10,18 @@ tokenizers:
         prompt/response boundaries, and decoding is not a plain join. It carries a ChatML chat
         template; `<|im_end|>` ends an assistant turn and is the EOS the model stops at.
 
-Presets (parameter counts with this vocabulary; `test_actors_model_init` checks the ranges):
-  tiny  ~0.9M  (hidden 128, 4 layers)  for tests and the demo
-  small ~38M   (hidden 512, 12 layers) for benchmarks
+The presets (tiny, small) and the character vocabulary are async_rlhf/synthetic.py's, shared
+with the learner tests and bench-learner.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
-BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
+from async_rlhf.synthetic import BOS, CHARACTERS, EOS, PAD, PRESETS, SPECIAL_TOKENS, UNK, build_model
+
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 # ChatML, as Qwen and others write it, with <bos> first as Llama 3's template does.
 CHAT_TEMPLATE = (
@@ -30,24 +29,6 @@ CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 BPE_VOCAB_SIZE = 512
-SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3
-# Everything the built-in tasks write (digits, letters, space and a few marks), one token each.
-CHARACTERS = "0123456789abcdefghijklmnopqrstuvwxyz :=,.?!-+>"
-
-
-@dataclass(frozen=True)
-class Preset:
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
-    max_positions: int
-
-
-PRESETS: dict[str, Preset] = {
-    "tiny": Preset(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384, max_positions=256),
-    "small": Preset(hidden_size=512, num_layers=12, num_heads=8, intermediate_size=1408, max_positions=512),
-}
 
 
 def build_tokenizer():
@@ -96,33 +77,6 @@ def build_bpe_tokenizer(seed: int = 0):
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
-
-
-def build_model(preset: str, seed: int = 0, vocab_size: int | None = None):
-    """A random-init LlamaForCausalLM (float32) for `preset`."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if preset not in PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}: choose one of {', '.join(PRESETS)}")
-    p = PRESETS[preset]
-    vocab_size = vocab_size or len(SPECIAL_TOKENS) + len(CHARACTERS)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=p.hidden_size,
-        intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_layers,
-        num_attention_heads=p.num_heads,
-        num_key_value_heads=p.num_heads,
-        max_position_embeddings=p.max_positions,
-        pad_token_id=SPECIAL_TOKENS.index(PAD),
-        bos_token_id=SPECIAL_TOKENS.index(BOS),
-        eos_token_id=SPECIAL_TOKENS.index(EOS),
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(torch.float32).eval()
 
 
 def init_model(out: str | Path, preset: str = "tiny", seed: int = 0, tokenizer: str = "char") -> Path:

@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -168,3 +170,74 @@ class WeightPublisher(Protocol):
     """Learner side of the weight sync: sends full weights, stamped with a version."""
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
+
+
+class TrainBackend(Protocol):
+    """One data-parallel rank's models as the learner loop (learners/learner.py) uses them: the
+    policy being trained, a frozen reference (when learner.kl_coef > 0), a critic (when
+    learner.advantage is gae), their optimizers, the weights out and checkpoints.
+
+    Tensors: input_ids, attention_mask [B, L]; positions [B, T], the index of the logit that
+    predicts each response token. With world_size > 1, every rank calls step, full_state_dict and
+    the checkpoint methods together (they are collective)."""
+
+    rank: int
+    world_size: int
+    device: str  # where the batch goes: "cpu", "cuda:0", ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def has_dropout(self) -> bool:
+        """Whether the policy's training-mode forward is noisy (then pi_prox needs its own pass)."""
+        ...
+
+    @property
+    def has_reference(self) -> bool: ...
+
+    @property
+    def has_critic(self) -> bool: ...
+
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, *,
+                 reference: bool = False, with_entropy: bool = False,
+                 entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log pi(response tokens) [B, T] at the generators' sampling temperature (the reference's
+        with reference=True), and with with_entropy the entropy [B, T], which carries a gradient
+        only with entropy_grad."""
+        ...
+
+    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """Critic values [B, T] of the states before each response token."""
+        ...
+
+    def inference(self) -> AbstractContextManager[None]:
+        """A context with the policy in eval mode and no gradients (the pi_prox, reference and
+        critic passes); training mode again after."""
+        ...
+
+    def backward(self, loss: torch.Tensor, *, critic: bool = False) -> None:
+        """Accumulate the gradient of this rank's share of the global loss (normalised by global
+        counts, so the ranks' shares sum to the batch's loss) into the policy, or the critic."""
+        ...
+
+    def step(self, *, critic: bool = False) -> float | None:
+        """Called after every micro-batch's backward: the optimizer steps once its micro-batches
+        make up learner.batch_size / learner.minibatches samples (over all ranks), and returns the
+        global gradient norm then, None before. A non-finite norm: the step was skipped, no weight
+        or optimizer state changed and the gradients were dropped, on every rank."""
+        ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's full weights as CPU tensors under their HF names, on rank 0 ({} elsewhere)."""
+        ...
+
+    def save_checkpoint(self, ckpt_dir: str | os.PathLike, tag: str, client_state: dict) -> None:
+        """Weights, optimizer state and client_state in ckpt_dir/<tag>/ (a critic's may go to
+        ckpt_dir/critic/<tag>/), and ckpt_dir/latest holding the tag."""
+        ...
+
+    def load_checkpoint(self, ckpt_dir: str | os.PathLike) -> dict | None:
+        """Restore the checkpoint ckpt_dir/latest names; its client_state, None if there is none."""
+        ...

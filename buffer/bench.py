@@ -44,26 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench-queue.json", help="JSON results file")
 
 
-def _groups(n: int, tokens: int, prompt_tokens: int, group_size: int) -> list:
-    """n // group_size groups of group_size random trajectories."""
-    import numpy as np
-
-    from async_rlhf.types import Group, Trajectory
-
-    rng = np.random.default_rng(0)
-    trajs = [
-        Trajectory(
-            prompt_ids=rng.integers(0, 32_000, prompt_tokens, dtype=np.int32),
-            response_ids=rng.integers(0, 32_000, tokens, dtype=np.int32),
-            behavior_logprobs=-rng.random(tokens, dtype=np.float32),
-            reward=float(i % 2), reward_parts={"correct": float(i % 2)}, policy_version=0,
-            generator_id="bench", group_id=f"p{i // group_size}", finished=True,
-        )
-        for i in range(n - n % group_size)
-    ]
-    return [Group(tuple(trajs[i:i + group_size])) for i in range(0, len(trajs), group_size)]
-
-
 def _raw_round(client, groups: list, payloads: list[bytes], batch: int, codec: bool):
     """Raw redis-py: pipelined XADD, XREADGROUP + XACK. With `codec`, also encode before the
     XADDs and decode (and validate) after the reads: the queue's work minus its bookkeeping."""
@@ -115,13 +95,32 @@ def _queue_round(client, groups: list, batch: int) -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
+def _print_table(results: dict) -> None:
+    """The results as a table: rates and their ratios to the raw loops."""
+    print(f"{results['n']} trajectories x {results['tokens']} tokens ({results['bytes_per_traj']:.0f} B "
+          f"each) in groups of {results['group_size']}, batch {results['batch']} groups, median of "
+          f"{results['rounds']} rounds, {results['redis']}")
+    print(f"{'':34}{'traj/s':>9}{'MB/s':>8}{'vs raw':>8}{'vs raw+codec':>14}")
+    rows = (("raw redis-py", "raw"), ("raw redis-py + codec", "raw_codec"),
+            ("RedisExperienceQueue", "queue"))
+    for side, verb in (("produce", "put"), ("consume", "get+ack")):
+        for name, key in rows:
+            r = results[key][side]
+            ratio = f"{r['ratio_to_raw']:.0%}" if "ratio_to_raw" in r else ""
+            ratio_codec = f"{r['ratio_to_raw_codec']:.0%}" if "ratio_to_raw_codec" in r else ""
+            print(f"{name + ' ' + verb:34}{r['traj_per_s']:>9.0f}{r['mb_per_s']:>8.1f}{ratio:>8}"
+                  f"{ratio_codec:>14}")
+
+
 def run(args: argparse.Namespace) -> int:
     import redis
 
+    from async_rlhf.synthetic import random_groups
     from buffer.codec import encode
     from buffer.redis_server import EmbeddedRedis
 
-    groups = _groups(args.n, args.tokens, args.prompt_tokens, args.group_size)
+    groups = random_groups(args.n // args.group_size, vocab=32_000, prompt_len=args.prompt_tokens,
+                           response_len=args.tokens, group_size=args.group_size)
     args.n = len(groups) * args.group_size  # whole groups
     payloads = [encode(g) for g in groups]
     mb = sum(len(p) for p in payloads) / 1e6
@@ -161,19 +160,7 @@ def run(args: argparse.Namespace) -> int:
             r["ratio_to_raw"] = r["traj_per_s"] / results["raw"][side]["traj_per_s"]
             if key == "queue":
                 r["ratio_to_raw_codec"] = r["traj_per_s"] / results["raw_codec"][side]["traj_per_s"]
-    print(f"{args.n} trajectories x {args.tokens} tokens ({results['bytes_per_traj']:.0f} B each) in "
-          f"groups of {args.group_size}, batch {args.batch} groups, median of {args.rounds} rounds, "
-          f"{results['redis']}")
-    print(f"{'':34}{'traj/s':>9}{'MB/s':>8}{'vs raw':>8}{'vs raw+codec':>14}")
-    rows = (("raw redis-py", "raw"), ("raw redis-py + codec", "raw_codec"),
-            ("RedisExperienceQueue", "queue"))
-    for side, verb in (("produce", "put"), ("consume", "get+ack")):
-        for name, key in rows:
-            r = results[key][side]
-            ratio = f"{r['ratio_to_raw']:.0%}" if "ratio_to_raw" in r else ""
-            ratio_codec = f"{r['ratio_to_raw_codec']:.0%}" if "ratio_to_raw_codec" in r else ""
-            print(f"{name + ' ' + verb:34}{r['traj_per_s']:>9.0f}{r['mb_per_s']:>8.1f}{ratio:>8}"
-                  f"{ratio_codec:>14}")
+    _print_table(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

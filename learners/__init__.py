@@ -1,11 +1,12 @@
-"""The learner: importance-ratio-corrected PPO on DeepSpeed.
+"""The learner: importance-ratio-corrected PPO on a train backend (DeepSpeed, or plain torch).
 
 losses.py        decoupled PPO / KL / entropy / value losses, aggregation (pure torch)
 advantages.py    GRPO, RLOO, REINFORCE++, GAE (pure torch)
+models.py        the policy, reference and critic every backend loads, and their log-probs and values
 deepspeed_backend.py  the DeepSpeed engines (policy, reference, critic), weight gather, checkpoints
+torch_backend.py the same on torch.optim.AdamW in one process (world size 1)
 learner.py       the loop: stream -> replay -> step -> ack -> version -> publish
-memory.py        random models and groups for tests; an in-memory source for bench-learner only
-bench.py         `async-rlhf bench-learner`
+bench.py         `async-rlhf bench-learner`; bench_feed.py its in-memory queue and replay
 
-Imports only async_rlhf.*; DeepSpeed and transformers are imported inside the backend.
+Imports only async_rlhf.*; DeepSpeed and transformers are imported inside the backends.
 """

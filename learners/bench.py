@@ -15,11 +15,13 @@ import json
 import time
 from pathlib import Path
 
+from async_rlhf.synthetic import PRESETS
+
 PHASES = ("wait", "recompute", "forward", "backward", "step", "weight_gather", "publish")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="small", choices=["tiny", "small"])
+    parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
     parser.add_argument("--zero-stage", type=int, nargs="+", default=[0], help="one or more stages to compare")
     parser.add_argument("--batch-size", type=int, default=16, help="trajectories per step")
     parser.add_argument("--group-size", type=int, default=4, help="trajectories per group (GRPO's n)")
@@ -43,13 +45,14 @@ class NullPublisher:
 
 def bench_one(args: argparse.Namespace, zero_stage: int) -> dict:
     from async_rlhf.config import LearnerConfig
+    from async_rlhf.synthetic import CHAR_VOCAB_SIZE, build_model, random_groups
+    from learners.bench_feed import OnceReplay, PreloadedQueue
     from learners.deepspeed_backend import DeepSpeedBackend
     from learners.learner import Learner
-    from learners.memory import PRESETS, OnceReplay, PreloadedQueue, build_llama, random_groups
 
     cfg = LearnerConfig(batch_size=args.batch_size, micro_batch=args.micro_batch, zero_stage=zero_stage,
                         steps=args.warmup + args.steps)
-    model = build_llama(args.preset)
+    model = build_model(args.preset)
     params = sum(p.numel() for p in model.parameters())
     backend = DeepSpeedBackend(cfg, model, dtype=args.dtype)
     queue = PreloadedQueue()
@@ -57,7 +60,7 @@ def bench_one(args: argparse.Namespace, zero_stage: int) -> dict:
                       replay=OnceReplay(), publisher=NullPublisher())
     per_batch = cfg.batch_size // args.group_size
     n = per_batch * cfg.steps  # groups
-    groups = random_groups(n, vocab=PRESETS[args.preset]["vocab_size"], prompt_len=args.prompt_len,
+    groups = random_groups(n, vocab=CHAR_VOCAB_SIZE, prompt_len=args.prompt_len,
                            response_len=args.response_len, group_size=args.group_size)
     for i in range(cfg.steps):  # stamp each batch with the version that will train it
         queue.put([g.with_version(i) for g in groups[i * per_batch:(i + 1) * per_batch]])

@@ -12,7 +12,6 @@ undo its data-parallel averaging: the summed gradient is then the full batch's, 
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from torch import nn
 
 from async_rlhf.config import LearnerConfig
 from async_rlhf.procs import free_port
-from learners.losses import entropy_from_logits, token_logprobs
+from learners.models import DTYPES, HeldModels, default_device, load_models
 
 
 def _import_deepspeed():
@@ -59,57 +58,7 @@ def init_distributed(device: str) -> tuple[int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-def _attn_implementation(device: str, want_flash: bool, dtype: torch.dtype) -> str:
-    if device.startswith("cuda") and want_flash and dtype != torch.float32:  # FA2: 16-bit only
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa"
-
-
-def has_dropout(model: torch.nn.Module) -> bool:
-    """Whether training mode adds dropout: an nn.Dropout with p > 0, or a config rate > 0 (Llama
-    and kin apply attention dropout functionally, from config.attention_dropout)."""
-    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
-        return True
-    config = getattr(model, "config", None)
-    rates = config.to_dict().items() if config is not None else ()
-    return any(("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0 for k, v in rates)
-
-
-class ValueModel(nn.Module):
-    """Critic: a transformer backbone and a linear value head, one value per position.
-
-    Built from AutoModelForSequenceClassification (num_labels=1), so a reward model's backbone
-    and score head initialise it when one is given (as OpenRLHF does); from a policy
-    checkpoint, the head starts fresh.
-    """
-
-    def __init__(self, path: str, dtype: torch.dtype, attn: str):
-        super().__init__()
-        from transformers import AutoModelForSequenceClassification
-
-        rm = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, attn_implementation=attn
-        )
-        self.backbone = rm.base_model
-        self.head = rm.score
-
-    def forward(self, input_ids, attention_mask):
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.head(hidden).squeeze(-1).float()  # [B, L]
-
-
-def response_view(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Pick per-position outputs x [B, L, ...] at positions [B, T] -> [B, T, ...]."""
-    idx = positions.view(*positions.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
-    return x.gather(1, idx)
-
-
-class DeepSpeedBackend:
+class DeepSpeedBackend(HeldModels):
     """Policy (trained), frozen reference (when kl_coef > 0), critic (when advantage == 'gae').
 
     `policy` is an HF model directory or an already built causal LM (benchmarks). All ranks
@@ -125,14 +74,12 @@ class DeepSpeedBackend:
         temperature: float = 1.0,
         seed: int = 0,
     ):
-        from transformers import AutoModelForCausalLM
-
         deepspeed = _import_deepspeed()
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}: use the generators' one")
         self.cfg = cfg
         self.temperature = temperature
-        self.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+        self.device = default_device()
         if self.device != "cpu":
             torch.cuda.set_device(self.device)
         self.rank, self.world_size = init_distributed(self.device)
@@ -143,39 +90,22 @@ class DeepSpeedBackend:
                 f"{self.world_size}"
             )
         torch.manual_seed(seed)
-        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-        attn = _attn_implementation(self.device, cfg.flash_attention, self.dtype)
-
-        def load(path_or_model: str | nn.Module) -> nn.Module:
-            if isinstance(path_or_model, nn.Module):
-                return path_or_model
-            return AutoModelForCausalLM.from_pretrained(path_or_model, dtype=torch.float32, attn_implementation=attn)
-
-        model = load(policy)
-        model.config.use_cache = False
-        self.reference: nn.Module | None = None  # frozen, replicated (not sharded) on every rank
-        if cfg.kl_coef > 0:
-            ref = load(policy) if isinstance(policy, str) else copy.deepcopy(model)
-            self.reference = ref.to(self.device, self.dtype).eval().requires_grad_(False)
+        self.dtype = DTYPES[dtype]
+        models = load_models(cfg, policy, self.device, self.dtype)
+        self.model, self.reference = models.policy, models.reference
         self.engine, *_ = deepspeed.initialize(
-            model=model,
-            optimizer=self._optimizer(model.parameters(), cfg.lr),
+            model=models.policy,
+            optimizer=self._optimizer(models.policy.parameters(), cfg.lr),
             config=self._ds_config(),
         )
         self.critic = None
-        if cfg.advantage == "gae":
-            path = cfg.critic_init or (policy if isinstance(policy, str) else "")
-            if not path:
-                raise ValueError(
-                    "advantage=gae needs a critic: set learner.critic_init to a reward-model "
-                    "directory, or give the policy as a directory"
-                )
-            critic = ValueModel(path, torch.float32, attn)
+        if models.critic is not None:
             self.critic, *_ = deepspeed.initialize(
-                model=critic,
-                optimizer=self._optimizer(critic.parameters(), cfg.critic_lr),
+                model=models.critic,
+                optimizer=self._optimizer(models.critic.parameters(), cfg.critic_lr),
                 config=self._ds_config(),
             )
+        self.run_policy = self.engine
 
     # -- setup -----------------------------------------------------------------------------
     def _optimizer(self, params, lr: float):
@@ -202,43 +132,11 @@ class DeepSpeedBackend:
         }
 
     # -- forward / backward ----------------------------------------------------------------
-    def logprobs(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        positions: torch.Tensor,
-        *,
-        reference: bool = False,
-        with_entropy: bool = False,
-        entropy_grad: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """log pi(response tokens) [B, T] (and entropy [B, T]) at the sampling temperature.
-
-        input_ids, attention_mask [B, L]; positions [B, T]: index of the logit that predicts each
-        response token (prompt_len - 1 + t). Gradient flows for the policy under grad mode; into
-        the entropy only with entropy_grad (otherwise it is a metric and keeps no graph).
-        """
-        model = self.reference if reference else self.engine
-        if model is None:
-            raise ValueError("no reference model: it is loaded only when learner.kl_coef > 0")
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        logits = response_view(logits, positions).float() / self.temperature  # [B, T, V]
-        targets = input_ids.gather(1, positions + 1)
-        logp = token_logprobs(logits, targets)
-        entropy = None
-        if with_entropy:
-            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-        return logp, entropy
-
-    def values(self, input_ids, attention_mask, positions) -> torch.Tensor:
-        """Critic values [B, T] of the states before each response token."""
-        return response_view(self.critic(input_ids, attention_mask), positions)
-
-    def backward(self, loss: torch.Tensor, engine=None) -> None:
+    def backward(self, loss: torch.Tensor, *, critic: bool = False) -> None:
         """Back-propagate a rank's share of the global loss (see module docstring)."""
-        (engine or self.engine).backward(loss * self.world_size, scale_wrt_gas=False)
+        (self.critic if critic else self.engine).backward(loss * self.world_size, scale_wrt_gas=False)
 
-    def step(self, engine=None) -> float | None:
+    def step(self, *, critic: bool = False) -> float | None:
         """Optimizer step at the accumulation boundary (no-op otherwise); returns the grad norm there.
 
         A non-finite norm means the step was skipped: no weight or optimizer state changed, the
@@ -248,7 +146,7 @@ class DeepSpeedBackend:
         an invalid norm they zero the grads, return before the inner optimizer, report inf).
         ZeRO-0 in fp32 hands the grads straight to the torch optimizer, so we skip here.
         """
-        engine = engine or self.engine
+        engine = self.critic if critic else self.engine
         boundary = engine.is_gradient_accumulation_boundary()
         own_norm = None
         if boundary and self.cfg.zero_stage == 0 and self.dtype == torch.float32:

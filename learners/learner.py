@@ -1,4 +1,4 @@
-"""The learner loop: stream -> replay -> decoupled-PPO step on DeepSpeed -> weights out.
+"""The learner loop: stream -> replay -> decoupled-PPO step on a TrainBackend -> weights out.
 
 How data-parallel ranks split the data: rank 0 is the only consumer of the experience stream
 and the only owner of the replay buffer and the weight publisher. Each step it draws whole
@@ -39,11 +39,10 @@ import torch
 import torch.distributed as dist
 
 from async_rlhf.config import LearnerConfig
-from async_rlhf.protocols import ExperienceQueue, ReplayBuffer, WeightPublisher
+from async_rlhf.protocols import ExperienceQueue, ReplayBuffer, TrainBackend, WeightPublisher
 from async_rlhf.types import Group, Received, TrajectoryError
 from learners import advantages as adv_fns
 from learners.batch import Batch, token_staleness
-from learners.deepspeed_backend import DeepSpeedBackend, has_dropout
 from learners.losses import NonFiniteError, aggregate, check_finite, kl_penalty, policy_loss, value_loss
 
 log = logging.getLogger(__name__)
@@ -52,7 +51,7 @@ _KEEP_CHECKPOINTS = 2
 
 
 def checkpoint_version(ckpt_dir: str | os.PathLike) -> int:
-    """The policy version of the newest checkpoint in ckpt_dir (DeepSpeed's `latest` file holds
+    """The policy version of the newest checkpoint in ckpt_dir (the backend's `latest` file holds
     its tag, v<version>; see Learner.save_checkpoint), 0 if there is none."""
     latest = Path(ckpt_dir) / "latest"
     return int(latest.read_text().strip().removeprefix("v")) if latest.is_file() else 0
@@ -61,7 +60,8 @@ def checkpoint_version(ckpt_dir: str | os.PathLike) -> int:
 class Learner:
     """One data-parallel rank of the learner (see module docstring for the split).
 
-    backend: this rank's DeepSpeedBackend (built with the generators' sampling temperature).
+    backend: this rank's TrainBackend (built with the generators' sampling temperature):
+    learners.deepspeed_backend, or learners.torch_backend for one process.
     max_staleness: k; groups with version - policy_version (their oldest member's) > k are acked
     "dropped_stale". group_size: the generators' samples per prompt; cfg.batch_size must be a
     multiple of it, and a group of another size is rejected (dead-lettered as "group_size").
@@ -76,7 +76,7 @@ class Learner:
     def __init__(
         self,
         cfg: LearnerConfig,
-        backend: DeepSpeedBackend,
+        backend: TrainBackend,
         *,
         max_staleness: int,
         group_size: int,
@@ -99,17 +99,19 @@ class Learner:
         self._saved_version = -1  # the version of the newest checkpoint written or loaded
         self._last_progress = time.monotonic()  # when data last arrived (learner.wait_s)
         self.counters: collections.Counter[str] = collections.Counter()
-        flag = torch.tensor([int(publisher is not None)], device=backend.device)
-        dist.broadcast(flag, 0)  # every rank joins the ZeRO-3 gather iff rank 0 publishes
-        self._publish = bool(flag.item())
-        self._vocab = backend.engine.module.config.vocab_size
+        self._publish = publisher is not None
+        if self.world > 1:  # every rank joins the ZeRO-3 gather iff rank 0 publishes
+            flag = torch.tensor([int(self._publish)], device=backend.device)
+            dist.broadcast(flag, 0)
+            self._publish = bool(flag.item())
+        self._vocab = backend.vocab_size
         # With one optimizer step per batch, pi_prox (the weights before this step) is what the
         # training forward computes: take it detached there (as TRL does for num_iterations=1)
         # rather than in a separate pass, a fifth of the step. A KL-in-reward needs it earlier;
         # with dropout the training forward is noisy and the (eval-mode) pass stays.
         self.prox_from_forward = (cfg.ratio_to == "prox" and cfg.minibatches == 1
-                                  and not (cfg.kl_mode == "reward" and backend.reference is not None)
-                                  and not has_dropout(backend.engine.module))
+                                  and not (cfg.kl_mode == "reward" and backend.has_reference)
+                                  and not backend.has_dropout)
 
     # -- the loop --------------------------------------------------------------------------
     def train(self, steps: int | None = None) -> list[dict]:
@@ -128,8 +130,8 @@ class Learner:
         timing = collections.Counter()
         t = time.perf_counter()
         items, first_use = self._collect() if self.rank == 0 else ([], [])
-        batch = (Batch.from_received(items) if self.rank == 0 else None)
-        batch = Batch.broadcast(batch, self.backend.device)
+        batch = Batch.from_received(items) if self.rank == 0 else None
+        batch = Batch.broadcast(batch, self.backend.device) if self.world > 1 else batch.to(self.backend.device)
         timing["wait"] = time.perf_counter() - t
 
         stats = self._train_batch(batch, timing)
@@ -288,24 +290,22 @@ class Learner:
         for s in range(0, local.input_ids.shape[0], mb):
             yield s, local.rows(torch.arange(s, min(s + mb, local.input_ids.shape[0])))
 
-    @torch.no_grad()
     def _recompute(self, local: Batch, timing) -> dict[str, torch.Tensor]:
         """pi_prox (unless prox_from_forward), reference log-probs and critic values [n, T] for
         this rank's rows."""
         t = time.perf_counter()
         be, out = self.backend, collections.defaultdict(list)
-        be.engine.eval()
-        for _, mb in self._micro_batches(local):
-            args = (mb.input_ids, mb.attention_mask, mb.positions)
-            if self.cfg.ratio_to == "behavior":  # plain PPO (ablation): anchored on behaviour
-                out["prox_logp"].append(mb.behavior_logp)
-            elif not self.prox_from_forward:
-                out["prox_logp"].append(be.logprobs(*args)[0])
-            if be.reference is not None:
-                out["ref_logp"].append(be.logprobs(*args, reference=True)[0])
-            if be.critic is not None:
-                out["old_values"].append(be.values(*args))
-        be.engine.train()
+        with be.inference():
+            for _, mb in self._micro_batches(local):
+                args = (mb.input_ids, mb.attention_mask, mb.positions)
+                if self.cfg.ratio_to == "behavior":  # plain PPO (ablation): anchored on behaviour
+                    out["prox_logp"].append(mb.behavior_logp)
+                elif not self.prox_from_forward:
+                    out["prox_logp"].append(be.logprobs(*args)[0])
+                if be.has_reference:
+                    out["ref_logp"].append(be.logprobs(*args, reference=True)[0])
+                if be.has_critic:
+                    out["old_values"].append(be.values(*args))
         timing["recompute"] += time.perf_counter() - t
         res = {k: torch.cat(v) for k, v in out.items()}
         check_finite(**res)
@@ -371,7 +371,7 @@ class Learner:
                 elif norm is not None:
                     skipped += 1
                     self._count_skip(batch, m, why_skip or f"gradient norm {norm}")
-                if be.critic is not None:
+                if be.has_critic:
                     self._critic_micro_step(mb, rec["old_values"][idx], returns[idx], counts, sums, timing)
                 ntok = float(mb.mask.sum())
                 sums.update(parts, tokens=ntok)
@@ -438,10 +438,10 @@ class Learner:
                                 agg=self.cfg.loss_agg, **counts)
         timing["forward"] += time.perf_counter() - t
         t = time.perf_counter()
-        be.backward(vloss, be.critic)
+        be.backward(vloss, critic=True)
         timing["backward"] += time.perf_counter() - t
         t = time.perf_counter()
-        be.step(be.critic)
+        be.step(critic=True)
         timing["step"] += time.perf_counter() - t
         sums.update(value_loss=vloss.item(), value_clip_frac=vst["value_clip_frac"] * float(mb.mask.sum()))
 
@@ -466,7 +466,7 @@ class Learner:
 
     # -- checkpoint ------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
-        """DeepSpeed checkpoint + version + counters + the generators' prompt positions
+        """The backend's checkpoint + version + counters + the generators' prompt positions
         (collective); nothing to do if this version is saved already."""
         if self._saved_version == self.version:
             return
@@ -475,8 +475,9 @@ class Learner:
                  "prompt_positions": positions}
         self.backend.save_checkpoint(self.ckpt_dir, tag=f"v{self.version}", client_state=state)
         self._saved_version = self.version
-        dist.barrier()
-        if self.rank == 0:  # keep the newest few: DeepSpeed never deletes a tag
+        if self.world > 1:
+            dist.barrier()
+        if self.rank == 0:  # keep the newest few: backends never delete a tag
             for root in (self.ckpt_dir, self.ckpt_dir / "critic"):
                 tags = sorted((int(p.name[1:]), p) for p in root.glob("v*") if p.name[1:].isdigit())
                 for _, old in tags[:-_KEEP_CHECKPOINTS]:

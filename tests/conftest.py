@@ -88,3 +88,63 @@ def bpe_actor_model(tmp_path_factory):
 
 
 # ---- end of Actor fixtures
+
+
+# ---- Learner fixtures (learners/ owners): the tiny preset with the learner tests' vocabulary,
+# and a rank-0 learner on either backend fed by the real Redis stream and staleness replay.
+@pytest.fixture(scope="session")
+def tiny_learner_model(tmp_path_factory):
+    from async_rlhf.synthetic import build_model
+    from helpers import VOCAB
+
+    path = tmp_path_factory.mktemp("tiny-learner-model")
+    build_model("tiny", seed=0, vocab_size=VOCAB).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def make_queue(redis_server, stream_name):
+    """make_queue(consumer, **kwargs): a RedisExperienceQueue on this test's stream."""
+    import redis
+
+    from buffer.redis_stream import RedisExperienceQueue
+
+    queues = []
+
+    def make(consumer, **kwargs):
+        client = redis.Redis.from_url(redis_server.url, decode_responses=False)
+        queues.append(RedisExperienceQueue(client, consumer, stream=stream_name, **kwargs))
+        return queues[-1]
+
+    yield make
+    for q in queues:
+        q.close()
+
+
+@pytest.fixture
+def make_learner(tiny_learner_model, make_queue):
+    """make_learner(groups, backend="torch"|"deepspeed", ...): a rank-0 learner (groups of 4)
+    whose stream already holds `groups`; returns (learner, queue, publisher)."""
+    from async_rlhf.config import LearnerConfig
+    from buffer.replay import StalenessReplay
+    from helpers import RecordingPublisher
+    from learners.learner import Learner
+
+    def make(groups=(), backend="torch", max_staleness=2, temperature=1.0, dtype="float32", **overrides):
+        if backend == "torch":
+            from learners.torch_backend import TorchBackend as Backend
+        else:
+            from learners.deepspeed_backend import DeepSpeedBackend as Backend
+        cfg = LearnerConfig(**{"batch_size": 8, "micro_batch": 4, "lr": 3e-3, **overrides})
+        be = Backend(cfg, tiny_learner_model, temperature=temperature, dtype=dtype)
+        queue, publisher = make_queue("learner-0"), RecordingPublisher()
+        queue.put(groups)
+        learner = Learner(cfg, be, max_staleness=max_staleness, group_size=4, queue=queue,
+                          replay=StalenessReplay(max_reuse=cfg.max_reuse, max_staleness=max_staleness),
+                          publisher=publisher)
+        return learner, queue, publisher
+
+    return make
+
+
+# ---- end of Learner fixtures

@@ -1,12 +1,18 @@
 """Helpers shared by test modules (tests/ is on sys.path under pytest): the one trajectory and
-group factory of the codec, queue and replay tests, a buggy producer's re-encoding, and the
-admission gate of the generator tests."""
+group factory of the codec, queue and replay tests, a buggy producer's re-encoding, the
+admission gate of the generator tests, and what the learner tests of both backends share."""
+
+import collections
+import math
 
 import msgpack
 import numpy as np
 
-from async_rlhf.types import Group, Trajectory
+from async_rlhf.synthetic import random_groups
+from async_rlhf.types import Group, Received, Trajectory
 from buffer.codec import encode
+
+VOCAB = 256  # the learner tests' tiny model (conftest.py tiny_learner_model)
 
 
 def make_traj(i: int = 0, **changes) -> Trajectory:
@@ -60,3 +66,42 @@ class EngineGate:
 
     def finish(self, n_admitted, n_accepted):
         self.gate.finish(n_admitted, n_accepted)
+
+
+class RecordingPublisher:
+    """A WeightPublisher that keeps the last weights and every version published."""
+
+    def __init__(self):
+        self.versions, self.weights = [], {}
+
+    def publish(self, named_tensors, version):
+        self.weights = dict(named_tensors)
+        self.versions.append(version)
+
+
+def check_nonfinite_step_is_skipped(learner, queue, publisher, caplog) -> None:
+    """A -inf behaviour log-prob on a real token of the first of two micro-batches (past the
+    stream's validation: the loss cannot be computed) skips that optimizer step, changing no
+    weight, counted and logged; the next batch from the stream trains, with finite results."""
+    import torch
+
+    from learners.batch import Batch
+
+    be = learner.backend
+    batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(random_groups(2, vocab=VOCAB))])
+    batch.behavior_logp[1, 2] = -math.inf
+    before = be.full_state_dict()
+    stats = learner._train_batch(batch, collections.Counter())
+    assert all(torch.equal(before[k], v) for k, v in be.full_state_dict().items())
+    assert stats["skipped_nonfinite"] == 1 and learner.counters["skipped_nonfinite"] == 1
+    assert math.isnan(stats["grad_norm"]) and math.isnan(stats["loss"])
+    warning = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "behavior_logp holds 1 NaN/inf" in warning and "policy versions [0]" in warning
+
+    queue.put(random_groups(2, vocab=VOCAB, seed=1))
+    metrics = learner.step()
+    assert metrics["skipped_nonfinite"] == 0 and metrics["count_skipped_nonfinite"] == 1
+    assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+    after = publisher.weights
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert all(bool(torch.isfinite(w).all()) for w in after.values())

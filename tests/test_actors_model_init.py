@@ -3,8 +3,9 @@
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.model_init import CHARACTERS, build_model, ensure_model, init_model
+from actors.model_init import ensure_model, init_model
 from async_rlhf.launch.cli import main
+from async_rlhf.synthetic import CHARACTERS, build_model
 
 
 def _params(model) -> int:

@@ -25,7 +25,7 @@ from async_rlhf.staleness import StalenessGate
 from async_rlhf.types import Received
 from helpers import EngineGate
 from learners.batch import Batch
-from learners.deepspeed_backend import response_view
+from learners.models import response_view
 
 TEMPERATURE = 0.7
 MAX_NEW = 12

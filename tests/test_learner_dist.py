@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import VOCAB
 
 from async_rlhf.procs import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 256
 
 
 def run_ranks(spec: dict, ranks: int, timeout: float = 300) -> list[int]:
@@ -50,27 +50,18 @@ def run_ranks(spec: dict, ranks: int, timeout: float = 300) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from learners.memory import build_llama
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    build_llama("tiny", seed=0).save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def one_rank_weights(tiny_model_dir, redis_server, tmp_path_factory):
+def one_rank_weights(tiny_learner_model, redis_server, tmp_path_factory):
     out = tmp_path_factory.mktemp("one-rank")
-    spec = dict(mode="train", model=tiny_model_dir, out=str(out), zero_stage=0, redis_url=redis_server.url,
+    spec = dict(mode="train", model=tiny_learner_model, out=str(out), zero_stage=0, redis_url=redis_server.url,
                 stream=f"test-{uuid.uuid4().hex[:12]}")
     assert run_ranks(spec, 1) == [0]
     return torch.load(out / "weights.pt"), json.loads((out / "metrics.json").read_text())
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_two_ranks_match_one_rank(tiny_model_dir, one_rank_weights, redis_server, stream_name, tmp_path,
+def test_two_ranks_match_one_rank(tiny_learner_model, one_rank_weights, redis_server, stream_name, tmp_path,
                                   zero_stage):
-    spec = dict(mode="train", model=tiny_model_dir, out=str(tmp_path), zero_stage=zero_stage,
+    spec = dict(mode="train", model=tiny_learner_model, out=str(tmp_path), zero_stage=zero_stage,
                 redis_url=redis_server.url, stream=stream_name)
     assert run_ranks(spec, 2) == [0, 0]
     one, one_metrics = one_rank_weights
@@ -80,18 +71,21 @@ def test_two_ranks_match_one_rank(tiny_model_dir, one_rank_weights, redis_server
     moved = max(float((one[k] - initial[k]).abs().max()) for k in two)
     diff = max(float((two[k] - one[k]).abs().max()) for k in two)
     assert moved > 1e-3, "training did not change the weights"
-    assert diff < 1e-5, (diff, moved)
+    # Adam moves every weight by ~lr (1e-3) a step whatever its gradient's size, so a weight whose
+    # gradient is near Adam's eps carries round-off from the order the ranks' gradients are summed
+    # in (ZeRO-3's reduce-scatter: up to 1.6e-5 seen on the tiny preset); a wrong split moves ~lr
+    assert diff < 5e-5, (diff, moved)
     # Adam hides a wrong gradient scale in the weights; the loss and grad norm do not
     for a, b in zip(one_metrics, json.loads((tmp_path / "metrics.json").read_text())):
         for k in a:
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (k, a, b)
 
 
-def test_checkpoint_kill_resume_keeps_version_and_counters(tiny_model_dir, redis_client, redis_server,
+def test_checkpoint_kill_resume_keeps_version_and_counters(tiny_learner_model, redis_client, redis_server,
                                                            stream_name, tmp_path):
     from buffer.redis_stream import RedisExperienceQueue
 
-    spec = dict(model=tiny_model_dir, out=str(tmp_path), zero_stage=3, ckpt=str(tmp_path / "ckpt"),
+    spec = dict(model=tiny_learner_model, out=str(tmp_path), zero_stage=3, ckpt=str(tmp_path / "ckpt"),
                 redis_url=redis_server.url, stream=stream_name)
     stream = RedisExperienceQueue(redis_client, "observer", stream=stream_name)
     # trains v1..v3 (checkpoint after each, the oldest pruned), then is SIGKILLed while
@@ -115,9 +109,9 @@ def test_checkpoint_kill_resume_keeps_version_and_counters(tiny_model_dir, redis
 
 
 @pytest.mark.parametrize("zero_stage", [0, 2])
-def test_ranks_agree_to_skip_a_step_only_one_rank_found_non_finite(tiny_model_dir, redis_server, stream_name,
+def test_ranks_agree_to_skip_a_step_only_one_rank_found_non_finite(tiny_learner_model, redis_server, stream_name,
                                                                    tmp_path, zero_stage):
-    spec = dict(mode="skip", model=tiny_model_dir, out=str(tmp_path), zero_stage=zero_stage,
+    spec = dict(mode="skip", model=tiny_learner_model, out=str(tmp_path), zero_stage=zero_stage,
                 redis_url=redis_server.url, stream=stream_name)
     assert run_ranks(spec, 2) == [0, 0]  # neither rank left waiting in a collective
     for rank in (0, 1):  # rank 1 holds the bad token; rank 0 skips because rank 1 does
@@ -135,7 +129,7 @@ def _worker(spec: dict) -> None:
     from buffer.replay import StalenessReplay
     from learners.deepspeed_backend import DeepSpeedBackend
     from learners.learner import Learner
-    from learners.memory import random_groups
+    from async_rlhf.synthetic import random_groups
 
     torch.set_num_threads(1)
     out = Path(spec["out"])

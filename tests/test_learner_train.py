@@ -1,263 +1,22 @@
-"""The DeepSpeed learner on the tiny model, in this process (one rank, gloo on CPU), fed by the
-real Redis experience stream (a fresh stream per test) and the real staleness replay buffer."""
+"""The DeepSpeed backend under the learner, in this process (one rank, gloo on CPU), fed by the
+real Redis experience stream (a fresh stream per test) and the real staleness replay buffer: bf16,
+ZeRO stages, the critic, HF export and skipped steps. The loop itself is tested on the torch
+backend in test_learner_loop.py; several ranks in test_learner_dist.py."""
 
-import collections
-import dataclasses
+import functools
 import math
-import time
-from concurrent.futures import ThreadPoolExecutor
 
-import msgpack
-import numpy as np
 import pytest
-import redis
 import torch
+from helpers import VOCAB, check_nonfinite_step_is_skipped
 
-from async_rlhf.config import LearnerConfig
-from async_rlhf.types import Group, Received
-from buffer.codec import decode
-from buffer.redis_stream import RedisExperienceQueue
-from buffer.replay import StalenessReplay
-from learners.advantages import grpo_advantages
-from learners.deepspeed_backend import DeepSpeedBackend
-from learners.batch import Batch
-from learners.learner import Learner
-from learners.losses import policy_loss
-from learners.memory import random_groups
-
-VOCAB = 256
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from learners.memory import build_llama
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    build_llama("tiny", seed=0).save_pretrained(path)
-    return str(path)
-
-
-class RecordingPublisher:
-    def __init__(self):
-        self.versions, self.weights = [], {}
-
-    def publish(self, named_tensors, version):
-        self.weights = dict(named_tensors)
-        self.versions.append(version)
+from async_rlhf.synthetic import random_groups
 
 
 @pytest.fixture
-def make_queue(redis_server, stream_name):
-    """make_queue(consumer, **kwargs): a RedisExperienceQueue on this test's stream."""
-    queues = []
-
-    def make(consumer, **kwargs):
-        client = redis.Redis.from_url(redis_server.url, decode_responses=False)
-        queues.append(RedisExperienceQueue(client, consumer, stream=stream_name, **kwargs))
-        return queues[-1]
-
-    yield make
-    for q in queues:
-        q.close()
-
-
-@pytest.fixture
-def make_learner(tiny_model_dir, make_queue):
-    """make_learner(groups, ...): a rank-0 learner (groups of 4) whose stream already holds them."""
-
-    def make(groups=(), max_staleness=2, temperature=1.0, dtype="float32", **overrides):
-        cfg = LearnerConfig(**{"batch_size": 8, "micro_batch": 4, "lr": 3e-3, **overrides})
-        backend = DeepSpeedBackend(cfg, tiny_model_dir, temperature=temperature, dtype=dtype)
-        queue, publisher = make_queue("learner-0"), RecordingPublisher()
-        queue.put(groups)
-        learner = Learner(cfg, backend, max_staleness=max_staleness, group_size=4, queue=queue,
-                          replay=StalenessReplay(max_reuse=cfg.max_reuse, max_staleness=max_staleness),
-                          publisher=publisher)
-        return learner, queue, publisher
-
-    return make
-
-
-def test_fixed_batch_objective_decreases_and_metrics_are_complete(make_learner):
-    fixed = random_groups(2, vocab=VOCAB, seed=3)
-    learner, queue, publisher = make_learner(temperature=0.7)
-    be = learner.backend
-    batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(fixed)])
-    args = (batch.input_ids, batch.attention_mask, batch.positions)
-    with torch.no_grad():
-        prox0 = be.logprobs(*args)[0]
-        # the learner's log-probs are those of softmax(logits / temperature)
-        logits = be.engine.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        direct = torch.log_softmax(logits[:, :-1] / 0.7, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
-        assert torch.allclose(prox0, direct.gather(1, batch.positions), atol=1e-6)
-    adv = grpo_advantages(batch.rewards, batch.groups)[:, None] * batch.mask
-
-    def objective():  # the batch's (unclipped) surrogate loss against the initial pi_prox
-        with torch.no_grad():
-            logp = be.logprobs(*args)[0]
-            return policy_loss(logp, prox0, batch.behavior_logp, adv, batch.mask, clip_eps=1e3)[0].item()
-
-    values = [objective()]
-    for _ in range(4):  # the same batch put again each step, stamped fresh so it is not stale
-        queue.put([g.with_version(learner.version) for g in fixed])
-        metrics = learner.step()
-        values.append(objective())
-    assert values[-1] < values[0] - 0.05, values
-    assert all(b < a for a, b in zip(values, values[1:])), values
-
-    assert learner.version == 4 and publisher.versions == [1, 2, 3, 4]
-    assert set(publisher.weights) == {n for n, _ in be.engine.module.named_parameters()}
-    stats = queue.stats()
-    assert stats.counters == {"produced": 8, "trained": 8} and stats.pending == stats.backlog == 0  # groups
-    for key in ("loss", "loss_policy", "entropy", "clip_frac", "bw_mean", "bw_max", "bw_capped_frac",
-                "grad_norm", "samples", "tokens", "reward_mean", "staleness_hist", "staleness_max",
-                "time_wait", "time_recompute", "time_forward", "time_backward", "time_step", "time_weight_gather",
-                "time_publish"):
-        assert key in metrics, key
-    assert metrics["samples"] == 8 and metrics["tokens"] == 64 and math.isfinite(metrics["grad_norm"])
-    assert metrics["groups"] == 2 and metrics["group_size_min"] == 4 and metrics["groups_singleton"] == 0
-    assert metrics["count_groups"] == 8 and metrics["count_samples"] == 32
-
-
-def with_member(group: Group, index: int, **changes) -> Group:
-    """`group` with member `index` changed."""
-    members = list(group.members)
-    members[index] = dataclasses.replace(members[index], **changes)
-    return Group(tuple(members))
-
-
-def test_stale_and_malformed_groups_are_acked_with_a_reason_not_trained(make_learner):
-    fresh = random_groups(2, vocab=VOCAB, version=3, seed=1)
-    bad = random_groups(3, vocab=VOCAB, version=3, seed=4)
-    bad_logp = with_member(bad[0], 1, behavior_logprobs=np.full(8, np.nan, np.float32))
-    bad_reward = with_member(bad[1], 2, reward=float("inf"))
-    bad_token = with_member(bad[2], 3, response_ids=np.full(8, VOCAB, np.int32))
-    stale = random_groups(1, vocab=VOCAB, version=1, seed=2)  # 3 - 1 = 2 > k = 1
-    learner, queue, _ = make_learner(stale + [bad_logp, bad_reward, bad_token] + fresh, max_staleness=1)
-    learner.version = 3
-    metrics = learner.step()
-    # NaN/inf fail validation as the stream decodes them: dead-lettered there, with their reason;
-    # a token id outside the vocabulary is valid on the wire: the learner rejects it to the same
-    # dead-letter stream, with its bytes. Each one takes its whole group along (counts are groups).
-    stats = queue.stats()
-    assert stats.counters == {"produced": 6, "dropped_stale": 1, "trained": 2, "dead_lettered": 3}
-    assert stats.pending == stats.backlog == 0
-    dead = {d.reason: d for d in queue.dead_letters()}
-    assert sorted(dead) == ["non_finite_logprob", "non_finite_reward", "token_id"]
-    back = decode(dead["token_id"].raw)
-    assert back.size == 4 and np.array_equal(back.members[3].response_ids, bad_token.members[3].response_ids)
-    assert metrics["count_dropped_stale"] == 1 and metrics["count_rejected_token_id"] == 1
-    assert metrics["staleness_hist"] == {0: 8}
-    mean_reward = sum(t.reward for g in fresh for t in g.members) / 8
-    assert metrics["reward_by_version"] == {3: [8, pytest.approx(mean_reward, abs=1e-6)]}
-    assert math.isfinite(metrics["loss"])
-
-
-def test_batches_hold_only_whole_groups_around_rejected_ones(make_learner):
-    """Groups dead-lettered (at decode, or rejected by the learner: a bad token, a group of the
-    wrong size) between good ones never shift group boundaries: every batch is whole groups."""
-    good = random_groups(4, vocab=VOCAB, seed=6)
-    bad = random_groups(3, vocab=VOCAB, seed=7)
-    short = Group(bad[0].members[:3])  # a producer that split a group
-    bad_token = with_member(bad[1], 0, response_ids=np.full(8, VOCAB, np.int32))
-    bad_reward = with_member(bad[2], 2, reward=float("nan"))
-    learner, queue, _ = make_learner([good[0], bad_token, short, bad_reward, *good[1:]])
-    history = [learner.step(), learner.step()]
-    for metrics in history:
-        assert (metrics["samples"], metrics["groups"], metrics["group_size_min"]) == (8, 2, 4)
-        assert metrics["groups_singleton"] == 0
-    assert history[-1]["count_rejected_group_size"] == 1 and history[-1]["count_rejected_token_id"] == 1
-    stats = queue.stats()
-    assert stats.counters == {"produced": 7, "trained": 4, "dead_lettered": 3}
-    assert stats.pending == stats.backlog == 0
-    dead = {d.reason: d.raw for d in queue.dead_letters()}
-    assert sorted(dead) == ["group_size", "non_finite_reward", "token_id"]
-    assert decode(dead["group_size"]).size == 3 and decode(dead["token_id"]).size == 4 == len(
-        msgpack.unpackb(dead["non_finite_reward"])["members"])
-
-
-def test_entries_reclaimed_by_another_consumer_are_not_trained(make_learner, make_queue):
-    groups = random_groups(4, vocab=VOCAB)
-    learner, queue, _ = make_learner(groups[:1])  # one group short of a batch: the learner waits
-    other = make_queue("learner-1", claim_idle_ms=50)
-
-    def reclaim_then_produce():  # another consumer takes over an entry that looks abandoned
-        deadline = time.monotonic() + 30
-        while other.stats().pending < 1:  # the learner holds the group and waits for another
-            assert time.monotonic() < deadline, "the learner never read the entry"
-            time.sleep(0.01)
-        stolen = []
-        while not stolen:  # as soon as it has been idle > 50 ms
-            assert time.monotonic() < deadline, "nothing to reclaim"
-            stolen = [r.entry_id for r in other.get(1, block_ms=0)]
-            time.sleep(0.01)
-        other.put(groups[1:])
-        return stolen[0]
-
-    with ThreadPoolExecutor(1) as pool:
-        stolen = pool.submit(reclaim_then_produce)
-        metrics = learner.step()
-        stolen = stolen.result()
-    assert metrics["samples"] == 8 and metrics["count_lost_to_reclaim"] == 1
-    stats = queue.stats()
-    assert stats.counters == {"produced": 4, "trained": 2, "reclaimed": 1}  # groups; no ack_lost
-    assert stats.pending == 2 and stats.backlog == 0
-    assert other.renew([stolen]) == [stolen]  # still the other consumer's, never acked
-    held = queue.renew()
-    assert len(held) == 1 and stolen not in held
-
-
-def test_pi_prox_from_the_training_forward_gives_the_recomputed_update(make_learner):
-    """One optimizer step per batch: pi_prox taken from the training forward (detached) instead
-    of a separate pass changes nothing but the time. Behaviour log-probs differ from pi_prox, so
-    the behaviour weights and their cap are in play."""
-    groups = random_groups(2, vocab=VOCAB, seed=5)
-    results = []
-    for from_forward in (True, False):
-        learner, _, publisher = make_learner(groups, is_cap=1.5)
-        assert learner.prox_from_forward  # the default: minibatches=1, ratio_to=prox
-        learner.prox_from_forward = from_forward
-        be, passes = learner.backend, []
-        logprobs = be.logprobs
-        be.logprobs = lambda *a, **k: passes.append(1) or logprobs(*a, **k)
-        metrics = learner.step()
-        assert len(passes) == (2 if from_forward else 4)  # 2 micro-batches, + a recompute pass each
-        results.append((metrics, publisher.weights))
-    (fused, w_fused), (recomputed, w_recomputed) = results
-    for key in ("loss", "bw_mean", "bw_max", "bw_capped_frac", "grad_norm"):
-        assert fused[key] == pytest.approx(recomputed[key], rel=1e-5, abs=1e-7), key
-    assert 0 < fused["bw_capped_frac"] < 1
-    for name, w in w_fused.items():
-        torch.testing.assert_close(w, w_recomputed[name], rtol=0, atol=1e-6)
-
-
-def test_dropout_keeps_the_separate_pi_prox_pass():
-    from learners.deepspeed_backend import has_dropout
-    from learners.memory import build_llama
-
-    model = build_llama("tiny", seed=0)
-    assert not has_dropout(model)
-    model.config.attention_dropout = 0.1  # applied functionally in Llama's attention
-    assert has_dropout(model)
-    model.config.attention_dropout = 0.0
-    model.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Dropout(0.1))
-    assert has_dropout(model)
-
-
-@pytest.mark.parametrize("overrides", [
-    dict(advantage="gae", kl_coef=0.1, kl_mode="reward", critic_lr=1e-3),
-    dict(advantage="reinforce_pp", kl_coef=0.1, kl_estimator="k2", gamma=0.9, entropy_coef=0.01),
-    dict(advantage="rloo", minibatches=2, loss_agg="seq_mean_token_sum", correction="mask",
-         correction_level="sequence", ratio_to="behavior"),
-])
-def test_other_estimators_and_kl_modes_train(make_learner, overrides):
-    learner, queue, _ = make_learner(random_groups(4, vocab=VOCAB), **overrides)
-    history = learner.train(steps=2)
-    assert learner.version == 2 and queue.stats().counters["trained"] == 4  # groups
-    for m in history:
-        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
-    if overrides["advantage"] == "gae":
-        assert "value_loss" in history[-1] and history[-1]["kl"] > 0
+def make_learner(make_learner):
+    """conftest's make_learner on the DeepSpeed backend."""
+    return functools.partial(make_learner, backend="deepspeed")
 
 
 def test_bf16_zero2_trains(make_learner):
@@ -268,11 +27,11 @@ def test_bf16_zero2_trains(make_learner):
     assert publisher.weights["lm_head.weight"].dtype == torch.bfloat16
 
 
-def test_critic_starts_from_the_reward_model(tiny_model_dir, make_learner, tmp_path):
+def test_critic_starts_from_the_reward_model(tiny_learner_model, make_learner, tmp_path):
     from transformers import AutoConfig, LlamaForSequenceClassification
 
     torch.manual_seed(5)
-    reward_model = LlamaForSequenceClassification(AutoConfig.from_pretrained(tiny_model_dir, num_labels=1))
+    reward_model = LlamaForSequenceClassification(AutoConfig.from_pretrained(tiny_learner_model, num_labels=1))
     reward_model.save_pretrained(tmp_path / "rm")
     learner, _, _ = make_learner(random_groups(2, vocab=VOCAB), advantage="gae",
                                  critic_init=str(tmp_path / "rm"))
@@ -300,34 +59,4 @@ def test_hf_export_round_trips(make_learner, tmp_path, zero_stage):
 def test_a_non_finite_loss_skips_the_step_and_the_next_batch_trains(make_learner, caplog, zero_stage,
                                                                     dtype):
     """ZeRO-0 fp32 skips in our backend, ZeRO 1-3 and bf16 in DeepSpeed's overflow path."""
-    learner, queue, publisher = make_learner(zero_stage=zero_stage, dtype=dtype)
-    be = learner.backend
-    batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(random_groups(2, vocab=VOCAB))])
-    # a -inf behaviour log-prob on a real token of the first of two micro-batches, past the
-    # stream's validation: the loss cannot be computed
-    batch.behavior_logp[1, 2] = -math.inf
-    before = be.full_state_dict()
-    stats = learner._train_batch(batch, collections.Counter())
-    assert all(torch.equal(before[k], v) for k, v in be.full_state_dict().items())
-    assert stats["skipped_nonfinite"] == 1 and learner.counters["skipped_nonfinite"] == 1
-    assert math.isnan(stats["grad_norm"]) and math.isnan(stats["loss"])
-    warning = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
-    assert "behavior_logp holds 1 NaN/inf" in warning and "policy versions [0]" in warning
-
-    queue.put(random_groups(2, vocab=VOCAB, seed=1))  # the next batch trains, with finite results
-    metrics = learner.step()
-    assert metrics["skipped_nonfinite"] == 0 and metrics["count_skipped_nonfinite"] == 1
-    assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
-    after = publisher.weights
-    assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert all(bool(torch.isfinite(w).all()) for w in after.values())
-
-
-def test_token_staleness_counts_each_token_by_the_version_that_sampled_it():
-    from helpers import make_group
-    from learners.batch import token_staleness
-
-    crossed = make_group(size=2, policy_version=3, version_spans=((3, 0), (5, 2)))  # 3, 3, 5, 5
-    assert token_staleness([Received("1-0", crossed)], 5) == 1.0  # by sample it is 2
-    assert token_staleness([Received("2-0", make_group(size=1, policy_version=4))], 5) == 1.0
-    assert math.isnan(token_staleness([], 5))  # ranks without items
+    check_nonfinite_step_is_skipped(*make_learner(zero_stage=zero_stage, dtype=dtype), caplog)

@@ -1,0 +1,99 @@
+"""Models and data made offline, without a download: the model presets and random groups.
+
+Presets: the shapes of the random-init Llama-style models every part builds from. Parameter
+counts with the character vocabulary (50 tokens; `test_actors_model_init` checks the ranges):
+  tiny  ~0.9M   (hidden 128, 4 layers)   tests and the demo
+  small ~38.6M  (hidden 512, 12 layers)  benchmarks
+`async-rlhf init-model` (actors/model_init.py) writes one to disk with its tokenizer; the learner
+tests and bench-learner build one in memory.
+
+`random_groups` is the one maker of synthetic scored trajectories, for the learner and queue
+benches and the learner tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from async_rlhf.types import Group, Trajectory
+
+# The character tokenizer's vocabulary (actors/model_init.py): these ids 0..3, then one token per
+# character, everything the built-in tasks write (digits, letters, space and a few marks).
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+CHARACTERS = "0123456789abcdefghijklmnopqrstuvwxyz :=,.?!-+>"
+CHAR_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARACTERS)
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_positions: int
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384, max_positions=256),
+    "small": Preset(hidden_size=512, num_layers=12, num_heads=8, intermediate_size=1408, max_positions=512),
+}
+
+
+def build_model(preset: str, seed: int = 0, vocab_size: int = CHAR_VOCAB_SIZE):
+    """A random-init float32 LlamaForCausalLM of `preset`'s shape (transformers, offline), with
+    the character tokenizer's pad/bos/eos ids."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}: choose one of {', '.join(PRESETS)}")
+    p = PRESETS[preset]
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_heads,
+        num_key_value_heads=p.num_heads,
+        max_position_embeddings=p.max_positions,
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+        bos_token_id=SPECIAL_TOKENS.index(BOS),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(torch.float32).eval()
+
+
+def random_groups(
+    n: int,
+    *,
+    vocab: int,
+    prompt_len: int = 8,
+    response_len: int = 8,
+    group_size: int = 4,
+    version: int = 0,
+    seed: int = 0,
+) -> list[Group]:
+    """n groups of group_size finished trajectories: token ids in [3, vocab) (no special ids
+    below 3), behaviour log-probs in [-6, -0.5], reward = the fraction of even response tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n * group_size):
+        resp = rng.integers(3, vocab, response_len).astype(np.int32)
+        out.append(Trajectory(
+            prompt_ids=rng.integers(3, vocab, prompt_len).astype(np.int32),
+            response_ids=resp,
+            behavior_logprobs=(-rng.uniform(0.5, 6.0, response_len)).astype(np.float32),
+            reward=float(np.mean(resp % 2 == 0)),
+            reward_parts={"even": float(np.mean(resp % 2 == 0))},
+            policy_version=version,
+            generator_id="gen-0",
+            group_id=f"s{seed}-g{i // group_size}",
+            finished=True,
+        ))
+    return [Group(tuple(out[g:g + group_size])) for g in range(0, len(out), group_size)]

@@ -1,0 +1,196 @@
+"""The models a train backend holds, whatever runs them: the policy, a frozen reference and a
+critic, loaded the same way for every backend, and the response log-probs and values read off
+them (HeldModels, the part of TrainBackend that does not train). Shapes: input_ids,
+attention_mask [B, L]; positions [B, T], the index of the logit that predicts each response
+token (prompt_len - 1 + t).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from async_rlhf.config import LearnerConfig
+from learners.losses import entropy_from_logits, token_logprobs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def default_device() -> str:
+    """This rank's GPU (LOCAL_RANK) where CUDA is, else the CPU."""
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+
+
+def _attn_implementation(device: str, want_flash: bool, dtype: torch.dtype) -> str:
+    if device.startswith("cuda") and want_flash and dtype != torch.float32:  # FA2: 16-bit only
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Whether training mode adds dropout: an nn.Dropout with p > 0, or a config rate > 0 (Llama
+    and kin apply attention dropout functionally, from config.attention_dropout)."""
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    rates = config.to_dict().items() if config is not None else ()
+    return any(("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0 for k, v in rates)
+
+
+class ValueModel(nn.Module):
+    """Critic: a transformer backbone and a linear value head, one value per position.
+
+    Built from AutoModelForSequenceClassification (num_labels=1), so a reward model's backbone
+    and score head initialise it when one is given (as OpenRLHF does); from a policy
+    checkpoint, the head starts fresh.
+    """
+
+    def __init__(self, path: str, dtype: torch.dtype, attn: str):
+        super().__init__()
+        from transformers import AutoModelForSequenceClassification
+
+        rm = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=dtype, attn_implementation=attn
+        )
+        self.backbone = rm.base_model
+        self.head = rm.score
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()  # [B, L]
+
+
+@dataclass
+class Models:
+    policy: nn.Module  # float32, on the CPU: the backend places and wraps it
+    reference: nn.Module | None  # frozen, in the training dtype on the device (kl_coef > 0)
+    critic: ValueModel | None  # float32, on the CPU (advantage == "gae")
+
+
+def load_models(cfg: LearnerConfig, policy: str | nn.Module, device: str, dtype: torch.dtype) -> Models:
+    """The policy from an HF directory (or an already built causal LM: benchmarks, tests), a
+    frozen copy as reference when learner.kl_coef > 0, and a critic when learner.advantage is
+    gae (from learner.critic_init, else the policy directory)."""
+    from transformers import AutoModelForCausalLM
+
+    attn = _attn_implementation(device, cfg.flash_attention, dtype)
+
+    def load(path_or_model: str | nn.Module) -> nn.Module:
+        if isinstance(path_or_model, nn.Module):
+            return path_or_model
+        return AutoModelForCausalLM.from_pretrained(path_or_model, dtype=torch.float32, attn_implementation=attn)
+
+    model = load(policy)
+    model.config.use_cache = False
+    reference = None  # replicated (not sharded) on every rank
+    if cfg.kl_coef > 0:
+        ref = load(policy) if isinstance(policy, str) else copy.deepcopy(model)
+        reference = ref.to(device, dtype).eval().requires_grad_(False)
+    critic = None
+    if cfg.advantage == "gae":
+        path = cfg.critic_init or (policy if isinstance(policy, str) else "")
+        if not path:
+            raise ValueError(
+                "advantage=gae needs a critic: set learner.critic_init to a reward-model "
+                "directory, or give the policy as a directory"
+            )
+        critic = ValueModel(path, torch.float32, attn)
+    return Models(model, reference, critic)
+
+
+def response_view(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Pick per-position outputs x [B, L, ...] at positions [B, T] -> [B, T, ...]."""
+    idx = positions.view(*positions.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+    return x.gather(1, idx)
+
+
+def response_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor,
+    temperature: float,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(response tokens) [B, T] (and entropy [B, T]) of a causal LM at `temperature`.
+    Gradient flows under grad mode; into the entropy only with entropy_grad (otherwise it is a
+    metric and keeps no graph)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logits = response_view(logits, positions).float() / temperature  # [B, T, V]
+    logp = token_logprobs(logits, input_ids.gather(1, positions + 1))
+    entropy = None
+    if with_entropy:
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    return logp, entropy
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """`model` in eval mode without gradients, back in training mode after."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train()
+
+
+class HeldModels:
+    """The read side of async_rlhf.protocols.TrainBackend, the same for every backend. A backend
+    sets `model` (the policy, an HF causal LM), `run_policy` (what computes its forward: the
+    model, or an engine wrapping it), `reference`, `critic` (a module or engine, or None) and
+    `temperature` (the generators' sampling temperature)."""
+
+    model: nn.Module
+    run_policy: nn.Module
+    reference: nn.Module | None
+    critic: nn.Module | None
+    temperature: float
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def has_dropout(self) -> bool:
+        return has_dropout(self.model)
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    @property
+    def has_critic(self) -> bool:
+        return self.critic is not None
+
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, *,
+                 reference: bool = False, with_entropy: bool = False,
+                 entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log pi(response tokens) [B, T] (and entropy [B, T]) at the sampling temperature, of the
+        policy or the frozen reference (response_logprobs)."""
+        model = self.reference if reference else self.run_policy
+        if model is None:
+            raise ValueError("no reference model: it is loaded only when learner.kl_coef > 0")
+        return response_logprobs(model, input_ids, attention_mask, positions, self.temperature,
+                                 with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+    def values(self, input_ids, attention_mask, positions) -> torch.Tensor:
+        """Critic values [B, T] of the states before each response token."""
+        return response_view(self.critic(input_ids, attention_mask), positions)
+
+    def inference(self) -> contextlib.AbstractContextManager[None]:
+        """The policy in eval mode, without gradients (pi_prox, reference, critic passes)."""
+        return evaluating(self.run_policy)

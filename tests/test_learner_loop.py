@@ -1,0 +1,242 @@
+"""The learner loop on the single-process torch backend (no DeepSpeed, no process group), on the
+tiny model, fed by the real Redis experience stream (a fresh stream per test) and the real
+staleness replay buffer: what a step trains, acks, drops and rejects, and checkpoints.
+DeepSpeed's own behaviour (ZeRO stages, bf16, ranks, its checkpoints) is in test_learner_train.py
+and test_learner_dist.py."""
+
+import dataclasses
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from helpers import VOCAB, check_nonfinite_step_is_skipped, make_group
+
+from async_rlhf.synthetic import build_model, random_groups
+from async_rlhf.types import Group, Received
+from buffer.codec import decode
+from learners.advantages import grpo_advantages
+from learners.batch import Batch, token_staleness
+from learners.learner import checkpoint_version
+from learners.losses import policy_loss
+from learners.models import has_dropout
+
+
+def test_fixed_batch_objective_decreases_and_metrics_are_complete(make_learner):
+    fixed = random_groups(2, vocab=VOCAB, seed=3)
+    learner, queue, publisher = make_learner(temperature=0.7)
+    be = learner.backend
+    batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(fixed)])
+    args = (batch.input_ids, batch.attention_mask, batch.positions)
+    with torch.no_grad():
+        prox0 = be.logprobs(*args)[0]
+        # the learner's log-probs are those of softmax(logits / temperature)
+        logits = be.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        direct = torch.log_softmax(logits[:, :-1] / 0.7, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+        assert torch.allclose(prox0, direct.gather(1, batch.positions), atol=1e-6)
+    adv = grpo_advantages(batch.rewards, batch.groups)[:, None] * batch.mask
+
+    def objective():  # the batch's (unclipped) surrogate loss against the initial pi_prox
+        with torch.no_grad():
+            logp = be.logprobs(*args)[0]
+            return policy_loss(logp, prox0, batch.behavior_logp, adv, batch.mask, clip_eps=1e3)[0].item()
+
+    values = [objective()]
+    for _ in range(4):  # the same batch put again each step, stamped fresh so it is not stale
+        queue.put([g.with_version(learner.version) for g in fixed])
+        metrics = learner.step()
+        values.append(objective())
+    assert values[-1] < values[0] - 0.05, values
+    assert all(b < a for a, b in zip(values, values[1:])), values
+
+    assert learner.version == 4 and publisher.versions == [1, 2, 3, 4]
+    assert set(publisher.weights) == {n for n, _ in be.model.named_parameters()}
+    stats = queue.stats()
+    assert stats.counters == {"produced": 8, "trained": 8} and stats.pending == stats.backlog == 0  # groups
+    for key in ("loss", "loss_policy", "entropy", "clip_frac", "bw_mean", "bw_max", "bw_capped_frac",
+                "grad_norm", "samples", "tokens", "reward_mean", "staleness_hist", "staleness_max",
+                "time_wait", "time_recompute", "time_forward", "time_backward", "time_step", "time_weight_gather",
+                "time_publish"):
+        assert key in metrics, key
+    assert metrics["samples"] == 8 and metrics["tokens"] == 64 and math.isfinite(metrics["grad_norm"])
+    assert metrics["groups"] == 2 and metrics["group_size_min"] == 4 and metrics["groups_singleton"] == 0
+    assert metrics["count_groups"] == 8 and metrics["count_samples"] == 32
+
+
+def with_member(group: Group, index: int, **changes) -> Group:
+    """`group` with member `index` changed."""
+    members = list(group.members)
+    members[index] = dataclasses.replace(members[index], **changes)
+    return Group(tuple(members))
+
+
+def test_stale_and_malformed_groups_are_acked_with_a_reason_not_trained(make_learner):
+    fresh = random_groups(2, vocab=VOCAB, version=3, seed=1)
+    bad = random_groups(3, vocab=VOCAB, version=3, seed=4)
+    bad_logp = with_member(bad[0], 1, behavior_logprobs=np.full(8, np.nan, np.float32))
+    bad_reward = with_member(bad[1], 2, reward=float("inf"))
+    bad_token = with_member(bad[2], 3, response_ids=np.full(8, VOCAB, np.int32))
+    stale = random_groups(1, vocab=VOCAB, version=1, seed=2)  # 3 - 1 = 2 > k = 1
+    learner, queue, _ = make_learner(stale + [bad_logp, bad_reward, bad_token] + fresh, max_staleness=1)
+    learner.version = 3
+    metrics = learner.step()
+    # NaN/inf fail validation as the stream decodes them: dead-lettered there, with their reason;
+    # a token id outside the vocabulary is valid on the wire: the learner rejects it to the same
+    # dead-letter stream, with its bytes. Each one takes its whole group along (counts are groups).
+    stats = queue.stats()
+    assert stats.counters == {"produced": 6, "dropped_stale": 1, "trained": 2, "dead_lettered": 3}
+    assert stats.pending == stats.backlog == 0
+    dead = {d.reason: d for d in queue.dead_letters()}
+    assert sorted(dead) == ["non_finite_logprob", "non_finite_reward", "token_id"]
+    back = decode(dead["token_id"].raw)
+    assert back.size == 4 and np.array_equal(back.members[3].response_ids, bad_token.members[3].response_ids)
+    assert metrics["count_dropped_stale"] == 1 and metrics["count_rejected_token_id"] == 1
+    assert metrics["staleness_hist"] == {0: 8}
+    mean_reward = sum(t.reward for g in fresh for t in g.members) / 8
+    assert metrics["reward_by_version"] == {3: [8, pytest.approx(mean_reward, abs=1e-6)]}
+    assert math.isfinite(metrics["loss"])
+
+
+def test_batches_hold_only_whole_groups_around_rejected_ones(make_learner):
+    """Groups dead-lettered (at decode, or rejected by the learner: a bad token, a group of the
+    wrong size) between good ones never shift group boundaries: every batch is whole groups."""
+    good = random_groups(4, vocab=VOCAB, seed=6)
+    bad = random_groups(3, vocab=VOCAB, seed=7)
+    short = Group(bad[0].members[:3])  # a producer that split a group
+    bad_token = with_member(bad[1], 0, response_ids=np.full(8, VOCAB, np.int32))
+    bad_reward = with_member(bad[2], 2, reward=float("nan"))
+    learner, queue, _ = make_learner([good[0], bad_token, short, bad_reward, *good[1:]])
+    history = [learner.step(), learner.step()]
+    for metrics in history:
+        assert (metrics["samples"], metrics["groups"], metrics["group_size_min"]) == (8, 2, 4)
+        assert metrics["groups_singleton"] == 0
+    assert history[-1]["count_rejected_group_size"] == 1 and history[-1]["count_rejected_token_id"] == 1
+    stats = queue.stats()
+    assert stats.counters == {"produced": 7, "trained": 4, "dead_lettered": 3}
+    assert stats.pending == stats.backlog == 0
+    dead = {d.reason: d.raw for d in queue.dead_letters()}
+    assert sorted(dead) == ["group_size", "non_finite_reward", "token_id"]
+    assert decode(dead["group_size"]).size == 3 and decode(dead["token_id"]).size == 4 == len(
+        msgpack.unpackb(dead["non_finite_reward"])["members"])
+
+
+def test_entries_reclaimed_by_another_consumer_are_not_trained(make_learner, make_queue):
+    groups = random_groups(4, vocab=VOCAB)
+    learner, queue, _ = make_learner(groups[:1])  # one group short of a batch: the learner waits
+    other = make_queue("learner-1", claim_idle_ms=50)
+
+    def reclaim_then_produce():  # another consumer takes over an entry that looks abandoned
+        deadline = time.monotonic() + 30
+        while other.stats().pending < 1:  # the learner holds the group and waits for another
+            assert time.monotonic() < deadline, "the learner never read the entry"
+            time.sleep(0.01)
+        stolen = []
+        while not stolen:  # as soon as it has been idle > 50 ms
+            assert time.monotonic() < deadline, "nothing to reclaim"
+            stolen = [r.entry_id for r in other.get(1, block_ms=0)]
+            time.sleep(0.01)
+        other.put(groups[1:])
+        return stolen[0]
+
+    with ThreadPoolExecutor(1) as pool:
+        stolen = pool.submit(reclaim_then_produce)
+        metrics = learner.step()
+        stolen = stolen.result()
+    assert metrics["samples"] == 8 and metrics["count_lost_to_reclaim"] == 1
+    stats = queue.stats()
+    assert stats.counters == {"produced": 4, "trained": 2, "reclaimed": 1}  # groups; no ack_lost
+    assert stats.pending == 2 and stats.backlog == 0
+    assert other.renew([stolen]) == [stolen]  # still the other consumer's, never acked
+    held = queue.renew()
+    assert len(held) == 1 and stolen not in held
+
+
+def test_pi_prox_from_the_training_forward_gives_the_recomputed_update(make_learner):
+    """One optimizer step per batch: pi_prox taken from the training forward (detached) instead
+    of a separate pass changes nothing but the time. Behaviour log-probs differ from pi_prox, so
+    the behaviour weights and their cap are in play."""
+    groups = random_groups(2, vocab=VOCAB, seed=5)
+    results = []
+    for from_forward in (True, False):
+        learner, _, publisher = make_learner(groups, is_cap=1.1)
+        assert learner.prox_from_forward  # the default: minibatches=1, ratio_to=prox
+        learner.prox_from_forward = from_forward
+        be, passes = learner.backend, []
+        logprobs = be.logprobs
+        be.logprobs = lambda *a, **k: passes.append(1) or logprobs(*a, **k)
+        metrics = learner.step()
+        assert len(passes) == (2 if from_forward else 4)  # 2 micro-batches, + a recompute pass each
+        results.append((metrics, publisher.weights))
+    (fused, w_fused), (recomputed, w_recomputed) = results
+    for key in ("loss", "bw_mean", "bw_max", "bw_capped_frac", "grad_norm"):
+        assert fused[key] == pytest.approx(recomputed[key], rel=1e-5, abs=1e-7), key
+    assert 0 < fused["bw_capped_frac"] < 1
+    for name, w in w_fused.items():
+        torch.testing.assert_close(w, w_recomputed[name], rtol=0, atol=1e-6)
+
+
+def test_dropout_keeps_the_separate_pi_prox_pass():
+    model = build_model("tiny", seed=0)
+    assert not has_dropout(model)
+    model.config.attention_dropout = 0.1  # applied functionally in Llama's attention
+    assert has_dropout(model)
+    model.config.attention_dropout = 0.0
+    model.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Dropout(0.1))
+    assert has_dropout(model)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(advantage="gae", kl_coef=0.1, kl_mode="reward", critic_lr=1e-3),
+    dict(advantage="reinforce_pp", kl_coef=0.1, kl_estimator="k2", gamma=0.9, entropy_coef=0.01),
+    dict(advantage="rloo", minibatches=2, loss_agg="seq_mean_token_sum", correction="mask",
+         correction_level="sequence", ratio_to="behavior"),
+])
+def test_other_estimators_and_kl_modes_train(make_learner, overrides):
+    learner, queue, _ = make_learner(random_groups(4, vocab=VOCAB), **overrides)
+    history = learner.train(steps=2)
+    assert learner.version == 2 and queue.stats().counters["trained"] == 4  # groups
+    for m in history:
+        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+    if overrides["advantage"] == "gae":
+        assert "value_loss" in history[-1] and history[-1]["kl"] > 0
+
+
+def test_a_non_finite_loss_skips_the_step_and_the_next_batch_trains(make_learner, caplog):
+    check_nonfinite_step_is_skipped(*make_learner(), caplog)
+
+
+def test_resume_restores_weights_optimizer_version_and_counters(make_learner, tmp_path):
+    """A checkpoint every step keeps the newest two; a new learner resumes from the newest with
+    its version, counters and weights, and its next step equals the one the first learner took."""
+    groups = random_groups(6, vocab=VOCAB, seed=9)
+    cfg = dict(checkpoint_every=1, advantage="gae", critic_lr=1e-3)  # a critic to checkpoint too
+    learner, queue, publisher = make_learner(groups[:4], **cfg)
+    learner.ckpt_dir = tmp_path
+    learner.train(steps=2)
+    assert checkpoint_version(tmp_path) == 2 and sorted(p.name for p in tmp_path.glob("v*")) == ["v1", "v2"]
+    saved, counters = learner.backend.full_state_dict(), dict(learner.counters)
+    queue.put([g.with_version(2) for g in groups[4:]])
+    learner.step()  # v3, a checkpoint too
+    (tmp_path / "latest").write_text("v2")  # as if it had crashed before that checkpoint
+
+    resumed, queue, publisher = make_learner(**cfg)
+    resumed.ckpt_dir = tmp_path
+    assert resumed.resume()
+    assert resumed.version == 2 and resumed.counters == counters
+    assert all(torch.equal(saved[k], v) for k, v in resumed.backend.full_state_dict().items())
+    queue.put([g.with_version(2) for g in groups[4:]])
+    resumed.step()
+    after, after_resumed = learner.backend.full_state_dict(), resumed.backend.full_state_dict()
+    assert any(not torch.equal(saved[k], after[k]) for k in saved)
+    for k in after:  # Adam's moments and step count came back too: they shape the update
+        torch.testing.assert_close(after_resumed[k], after[k], rtol=0, atol=1e-6)
+
+
+def test_token_staleness_counts_each_token_by_the_version_that_sampled_it():
+    crossed = make_group(size=2, policy_version=3, version_spans=((3, 0), (5, 2)))  # 3, 3, 5, 5
+    assert token_staleness([Received("1-0", crossed)], 5) == 1.0  # by sample it is 2
+    assert token_staleness([Received("2-0", make_group(size=1, policy_version=4))], 5) == 1.0
+    assert math.isnan(token_staleness([], 5))  # ranks without items
