@@ -206,6 +206,9 @@ class LearnerConfig(_Section):
     steps: int = 50
     batch_size: int = 32  # trajectories per optimizer step
     micro_batch: int = 8
+    # deepspeed: ZeRO 0-3, any number of ranks, bf16; torch: one process, fp32, torch.optim.AdamW
+    # (no DeepSpeed engine: fewer moving parts where one CPU or GPU trains)
+    backend: Literal["deepspeed", "torch"] = "deepspeed"
     ranks: int = 1
     threads: int = 1  # torch CPU threads per rank; its Ray actor reserves as many CPUs
     zero_stage: Literal[0, 1, 2, 3] = 0
@@ -240,6 +243,11 @@ class LearnerConfig(_Section):
         self._positive("steps", "batch_size", "micro_batch", "ranks", "threads", "lr", "clip_eps", "is_cap")
         self._positive("max_reuse", "minibatches", "critic_lr", "wait_s")
         _check(self.max_restarts >= 0, "learner.max_restarts", self.max_restarts, ">= 0")
+        if self.backend == "torch":
+            _check(self.ranks == 1, "learner.ranks", self.ranks,
+                   "1 with learner.backend=torch (one process; use deepspeed for several ranks)")
+            _check(self.optimizer == "adamw_torch", "learner.optimizer", self.optimizer,
+                   "adamw_torch with learner.backend=torch (adamw_deepspeed is DeepSpeed's)")
         per_step = self.micro_batch * self.ranks * self.minibatches
         _check(
             self.batch_size % per_step == 0,

@@ -241,3 +241,7 @@ class TrainBackend(Protocol):
     def load_checkpoint(self, ckpt_dir: str | os.PathLike) -> dict | None:
         """Restore the checkpoint ckpt_dir/latest names; its client_state, None if there is none."""
         ...
+
+    def save_pretrained(self, out_dir: str | os.PathLike) -> None:
+        """The policy as a Hugging Face model in out_dir (rank 0 writes; collective)."""
+        ...

@@ -81,6 +81,10 @@ class TorchBackend(HeldModels):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}
 
+    def save_pretrained(self, out_dir: str | os.PathLike) -> None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out_dir, state_dict=self.full_state_dict())
+
     def save_checkpoint(self, ckpt_dir: str | os.PathLike, tag: str, client_state: dict) -> None:
         """Models, optimizers and client_state in ckpt_dir/<tag>/state.pt; then `latest` names it
         (each file written whole, then renamed into place)."""

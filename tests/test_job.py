@@ -388,10 +388,15 @@ def test_resume_after_a_killed_launcher_rebuilds_the_gate_and_prompts_from_the_s
     assert gen["prompt_start"] >= 3 * 4, gen  # 3 steps of 4 prompts were in the stream at least
 
 
-def test_resume_continues_from_the_checkpoint_with_current_weights(tmp_path, tiny_actor_model):
-    first = _train(tmp_path, tiny_actor_model, "res", "learner.steps=3")
+@pytest.mark.parametrize("backend", ["deepspeed", "torch"])
+def test_resume_continues_from_the_checkpoint_with_current_weights(tmp_path, tiny_actor_model, backend):
+    first = _train(tmp_path, tiny_actor_model, "res", "learner.steps=3", f"learner.backend={backend}")
     _finish(tmp_path, "res", first)
-    again = _train(tmp_path, tiny_actor_model, "res", "learner.steps=5", "--resume")
+    assert (tmp_path / "res" / "policy" / "config.json").is_file()  # the HF export
+    # the backend asked for wrote the checkpoint (torch: one state.pt; DeepSpeed: its own files)
+    assert (tmp_path / "res" / "checkpoints" / "v3" / "state.pt").is_file() == (backend == "torch")
+    again = _train(tmp_path, tiny_actor_model, "res", "learner.steps=5", "--resume",
+                   f"learner.backend={backend}")
     metrics, summary = _finish(tmp_path, "res", again)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]  # metrics.jsonl goes on
     # the generators got version 3's weights before generating: the first resumed step trains

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from async_rlhf.config import ConfigError, load_config
@@ -67,6 +69,10 @@ def test_apply_placement_sets_counts_ranks_and_threads():
     single = load_config(None, ["placement=auto", "learner.batch_size=16", "learner.micro_batch=16"])
     placed, _ = apply_placement(single, devices=4, gpu=False)
     assert (placed.learner.ranks, placed.learner.threads) == (1, 4)
+    # the torch backend is one process: the cores become its threads
+    placed, _ = apply_placement(dataclasses.replace(cfg, learner=dataclasses.replace(
+        cfg.learner, backend="torch")), devices=2, gpu=False)
+    assert (placed.learner.ranks, placed.learner.threads) == (1, 2)
 
 
 def test_apply_placement_gpu_and_manual():
@@ -76,6 +82,10 @@ def test_apply_placement_gpu_and_manual():
     assert (placed.generator.count, placed.learner.ranks, placed.learner.threads) == (6, 2, 1)
     with pytest.raises(ValueError, match="learner.batch_size a multiple of learner.micro_batch x 3"):
         apply_placement(cfg, devices=12, gpu=True)  # 9 + 3: 4 micro-batches do not split over 3
+    torch = load_config(None, ["placement=auto", "stage_costs.generator_s=3", "stage_costs.learner_s=1",
+                               "learner.backend=torch"])
+    with pytest.raises(ValueError, match="learner.backend=torch trains on one: set learner.backend=deepspeed"):
+        apply_placement(torch, devices=8, gpu=True)
     manual = load_config(None, ["generator.count=3"])
     assert apply_placement(manual, devices=2, gpu=False) == (manual, "")
 
@@ -85,3 +95,5 @@ def test_config_checks_placement_keys():
         load_config(None, ["placement=fast"])
     with pytest.raises(ConfigError, match="stage_costs.learner_s must be > 0, got 0"):
         load_config(None, ["stage_costs.learner_s=0"])
+    with pytest.raises(ConfigError, match="learner.ranks must be 1 with learner.backend=torch"):
+        load_config(None, ["learner.backend=torch", "learner.ranks=2", "learner.batch_size=16"])

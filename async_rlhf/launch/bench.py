@@ -161,7 +161,7 @@ def _bound_train(cfg, redis_url: str, warmup: int, steps: int) -> dict[str, Any]
     from buffer.redis_stream import RedisExperienceQueue
     from buffer.replay import StalenessReplay
     from learners.bench import NullPublisher
-    from learners.deepspeed_backend import DeepSpeedBackend
+    from learners.backends import make_backend
     from learners.learner import Learner
 
     torch.set_num_threads(cfg.learner.threads)
@@ -177,8 +177,8 @@ def _bound_train(cfg, redis_url: str, warmup: int, steps: int) -> dict[str, Any]
         dataclasses.replace(cfg.queue, stream="bound-train"), redis_url, consumer="learner-0")
     for v in range(total):  # cycle the generated data, each batch stamped with its version
         queue.put([groups[(v * batch + i) % len(groups)].with_version(v) for i in range(batch)])
-    backend = DeepSpeedBackend(cfg.learner, cfg.model.path, dtype=cfg.model.dtype,
-                               temperature=cfg.generator.temperature, seed=cfg.seed)
+    backend = make_backend(cfg.learner, cfg.model.path, dtype=cfg.model.dtype,
+                           temperature=cfg.generator.temperature, seed=cfg.seed)
     learner = Learner(cfg.learner, backend, max_staleness=total, group_size=cfg.generator.group_size,
                       queue=queue, replay=StalenessReplay(max_reuse=1, max_staleness=total),
                       publisher=NullPublisher())

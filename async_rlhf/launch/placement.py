@@ -83,8 +83,12 @@ def apply_placement(cfg: Config, devices: int, gpu: bool) -> tuple[Config, str]:
     p = choose_placement(devices, cfg.stage_costs.generator_s, cfg.stage_costs.learner_s,
                          shared=not gpu, gen_unit=unit)
     micro_batches = learner.batch_size // (learner.micro_batch * learner.minibatches)
-    ranks = max(r for r in range(1, p.learner_devices + 1) if micro_batches % r == 0)
+    most = 1 if learner.backend == "torch" else p.learner_devices  # torch: one process
+    ranks = max(r for r in range(1, most + 1) if micro_batches % r == 0)
     threads = 1 if gpu else p.learner_devices // ranks
+    if gpu and ranks != p.learner_devices and learner.backend == "torch":
+        raise ValueError(f"placement: auto gives the learner {p.learner_devices} GPUs, and "
+                         "learner.backend=torch trains on one: set learner.backend=deepspeed")
     if gpu and ranks != p.learner_devices:
         raise ValueError(f"placement: auto gives the learner {p.learner_devices} GPUs, but the batch "
                          f"has {micro_batches} micro-batches, which do not split over them: make "

@@ -316,7 +316,7 @@ class LearnerWorker:
 
         from buffer.redis_stream import RedisExperienceQueue
         from buffer.replay import StalenessReplay
-        from learners.deepspeed_backend import DeepSpeedBackend
+        from learners.backends import make_backend
         from learners.learner import Learner
 
         torch.set_num_threads(cfg.learner.threads)
@@ -324,8 +324,8 @@ class LearnerWorker:
         self.cfg, self.rank = cfg, rank
         self.out = Path(cfg.out)
         self._busy = threading.Lock()  # step and finish never overlap
-        backend = DeepSpeedBackend(cfg.learner, cfg.model.path, dtype=cfg.model.dtype,
-                                   temperature=cfg.generator.temperature, seed=cfg.seed)
+        backend = make_backend(cfg.learner, cfg.model.path, dtype=cfg.model.dtype,
+                               temperature=cfg.generator.temperature, seed=cfg.seed)
         self.broadcaster = WeightBroadcaster(timeout_s=60) if rank == 0 else None
         self.learner = Learner(
             cfg.learner, backend, max_staleness=cfg.max_staleness, group_size=cfg.generator.group_size,
