@@ -154,12 +154,14 @@ class RedisExperienceQueue:
         self._backlog_seen = self._backlog()  # undelivered entries, as measured after a put
 
     @classmethod
-    def from_config(cls, cfg: QueueConfig, url: str, consumer: str) -> RedisExperienceQueue:
+    def from_config(cls, cfg: QueueConfig, url: str, consumer: str, *,
+                    retries: int = 35) -> RedisExperienceQueue:
         """`url`: cfg.redis_url, or the embedded server's url when that is None. The client
         rides out a Redis restart: a command that cannot reach the server is retried with
-        backoff (50 ms doubling to 2 s) for about a minute before it raises."""
+        backoff (50 ms doubling to 2 s), by default for about a minute before it raises (the
+        process that restarts the server itself should not wait: give it few `retries`)."""
         client = redis.Redis.from_url(url, decode_responses=False,
-                                      retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 35))
+                                      retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries))
         return cls(
             client, consumer, stream=cfg.stream,
             group=cfg.group, max_backlog=cfg.max_backlog, claim_idle_ms=cfg.claim_idle_ms,

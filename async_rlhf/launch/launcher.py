@@ -26,10 +26,13 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from async_rlhf.config import Config, redact_url
 from async_rlhf.launch.cli import add_config_arguments, config_from_args
 from async_rlhf.launch.metrics import MetricsLog
 from async_rlhf.procs import stop_on_signals
+from async_rlhf.protocols import QueueStats
 from buffer.redis_stream import RedisExperienceQueue, not_trained
 
 log = logging.getLogger("async_rlhf")
@@ -142,7 +145,9 @@ class Job:
         else:
             self.redis = stack.enter_context(EmbeddedRedis(self.out / "redis", durable=cfg.queue.durable))
             self.redis_url = self.redis.url
-        self.queue = RedisExperienceQueue.from_config(cfg.queue, self.redis_url, consumer="driver")
+        # the embedded server is ours to restart (_queue_stats): do not wait a minute for it
+        self.queue = RedisExperienceQueue.from_config(cfg.queue, self.redis_url, consumer="driver",
+                                                      retries=35 if self.redis is None else 3)
         self._check_fresh_stream()
         self._mark("redis")
         if self.cluster is not None:
@@ -262,7 +267,7 @@ class Job:
         self._start_learners(resume=True)
         version = self._learners_ready()
         self.sync_failures = 0  # the new broadcaster counts its own
-        stats = self.queue.stats()
+        stats = self._queue_stats()
         ray.get(self.coordinator.rebase.remote(version, self._samples_in(stats)))
         self.forgotten = not_trained(stats.counters)
         self._new_epoch()
@@ -389,9 +394,8 @@ class Job:
         """While a step runs: watch generators, take requests, publish the status snapshot."""
         ray = self.ray
         self.last_tick = time.monotonic()
-        if self.redis is not None and not self.redis.running:
-            self._restart_redis()
-        self._return_slots()  # also within a step: it may wait for the slots these free
+        self._return_slots()  # also within a step (it may wait for the slots these free); and
+        # the job's own redis-server, if it died, is restarted there
         members = set(self.generators)
         for request in ray.get(self.coordinator.take_requests.remote()):
             self._place(request["id"], request["resources"])
@@ -421,10 +425,23 @@ class Job:
             self._new_epoch()
         ray.get(self.coordinator.set_snapshot.remote(self._snapshot()))
 
+    def _queue_stats(self) -> QueueStats:
+        """The stream's stats; the job's own redis-server, found dead before or during the
+        call, is restarted first (our client gives up on it at once, the others ride it out)."""
+        if self.redis is not None and not self.redis.running:
+            self._restart_redis()
+        try:
+            return self.queue.stats()
+        except redis.ConnectionError:
+            if self.redis is None or self.redis.running:
+                raise
+            self._restart_redis()
+            return self.queue.stats()
+
     def _return_slots(self) -> None:
         """Groups gone untrained since the last call (stale, malformed, dead-lettered) give
         their gate slots back."""
-        stats = self.queue.stats()
+        stats = self._queue_stats()
         self.left_in_queue = stats.backlog + stats.pending
         gone = not_trained(stats.counters)
         if gone > self.forgotten:
