@@ -43,13 +43,16 @@ def test_bench_tiny_writes_outputs(tmp_path: Path, tiny_actor_model: Path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
 
     report = json.loads((out / "bench.json").read_text())
-    assert [(r["placement"], r["max_staleness"], r["generators"]) for r in report["runs"]] == [
-        ("colocated", 0, 1), ("dedicated", 2, 1), ("auto", 2, 1)]
-    colocated, _, auto = report["runs"]
+    assert [(r["placement"], r["max_staleness"]) for r in report["runs"]] == [
+        ("colocated", 0), ("dedicated", 2), ("auto", 2)]
+    colocated, dedicated, auto = report["runs"]
+    assert colocated["generators"] == dedicated["generators"] == 1
     config = (out / "runs" / "colocated-k0-g1" / "config.yaml").read_text()
     for line in ("schedule: lockstep", "max_inflight: 8", f"threads: {os.cpu_count()}"):
         assert line in config, line  # the whole batch in one engine call, every core each phase
-    assert auto["placement_chosen"].startswith("placement auto: 1 generator(s)")
+    # auto sizes the generators from the stage costs measured just before (a busy machine can
+    # make generation look dearer): what it ran is what it printed
+    assert auto["placement_chosen"].startswith(f"placement auto: {auto['generators']} generator(s)")
     for r in report["runs"]:
         for key in RUN_KEYS:
             assert key in r, key
