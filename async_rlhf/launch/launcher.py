@@ -240,7 +240,7 @@ class Job:
         ray, cfg = self.ray, self.cfg
         # max_concurrency 2: open_epoch runs while a step waits for the samples it will bring
         worker = ray.remote(LearnerWorker).options(num_cpus=cfg.learner.threads, max_concurrency=2,
-                                                   num_gpus=1 if _has_gpu() else 0)
+                                                   num_gpus=1 if _gpu_count() else 0)
         master = ("127.0.0.1", free_port())
         self.learners = [worker.remote(cfg, rank, master, self.redis_url, resume)
                          for rank in range(cfg.learner.ranks)]
@@ -286,7 +286,7 @@ class Job:
                    "name": f"gen-{index}"}
         if resources:
             options["resources"] = resources
-        if _has_gpu():
+        if _gpu_count():
             options["num_gpus"] = self.cfg.generator.tensor_parallel
         handle = self.ray.remote(GeneratorWorker).options(**options).remote(
             self.cfg, index, self.redis_url, self.coordinator)
@@ -562,10 +562,6 @@ class Job:
 
 
 ACCOUNTING = ("produced", "foreign", "trained", "dropped_stale", "dead_lettered", "left_in_queue", "lost")
-
-
-def _has_gpu() -> bool:
-    return _gpu_count() > 0
 
 
 def _gpu_count() -> int:
