@@ -1,6 +1,7 @@
 """`async-rlhf study staleness`: the lag that realises k, the area under the held-out curve, and
 a reduced study through the CLI on the real components."""
 
+import argparse
 import json
 import os
 import signal
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from async_rlhf.launch.study import aggregate, area
+from async_rlhf.launch.study import SYNC, aggregate, area, plan
 from async_rlhf.staleness import lagged_version
 
 
@@ -33,14 +34,22 @@ def test_area_is_the_mean_reward_over_the_versions():
         area(_curve((5, 0.2), (10, 0.8)), 10)
 
 
-def test_aggregate_compares_each_loss_with_its_own_k0():
+def test_aggregate_compares_every_loss_with_the_one_synchronous_cell():
     runs = [{"loss": loss, "k": k, "curve": _curve((0, 0.0), (10, top), (20, 1.0))}
-            for loss, k, top in [("a", 0, 1.0), ("a", 0, 0.6), ("a", 4, 0.6), ("b", 0, 0.2), ("b", 4, 0.2)]]
+            for loss, k, top in [("a", 0, 1.0), ("a", 0, 0.6), ("a", 4, 0.6), ("b", 4, 0.2)]]
     cells = {(c["loss"], c["k"]): c for c in aggregate(runs)}
+    assert list(cells)[0] == (SYNC, 0) and len(cells) == 3
     # area of (0, 0), (10, top), (20, 1) over 0..20: (2 top + 1) / 4
-    assert cells[("a", 0)]["auc_mean"] == pytest.approx(0.65) and cells[("a", 0)]["seeds"] == 2
+    assert cells[(SYNC, 0)]["auc_mean"] == pytest.approx(0.65) and cells[(SYNC, 0)]["seeds"] == 2
     assert cells[("a", 4)]["auc_rel"] == pytest.approx(0.55 / 0.65)
-    assert cells[("b", 4)]["auc_rel"] == pytest.approx(1.0) and cells[("b", 0)]["auc_sd"] == 0.0
+    assert cells[("b", 4)]["auc_rel"] == pytest.approx(0.35 / 0.65) and cells[("b", 4)]["auc_sd"] == 0.0
+
+
+def test_plan_runs_k0_once_per_seed_for_all_losses():
+    args = argparse.Namespace(staleness="0,4", losses="decoupled-truncate,naive", seeds="0,1")
+    names = [r["name"] for r in plan(args)]
+    assert names == ["decoupled-truncate-k0-s0", "decoupled-truncate-k0-s1", "decoupled-truncate-k4-s0",
+                     "decoupled-truncate-k4-s1", "naive-k4-s0", "naive-k4-s1"]
 
 
 @pytest.mark.slow

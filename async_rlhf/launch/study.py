@@ -21,8 +21,8 @@ reported.
 
 The curve: the greedy held-out reward (eval.every, eval.prompts) against trained samples
 (version x learner.batch_size). The area under it over versions 0..N, divided by the span
-(the mean held-out reward over training), is compared with k = 0 of the same loss
-(`auc_rel`: the seed means' ratio). Runs share one local Ray cluster (a head per run would cost
+(the mean held-out reward over training), is compared with k = 0 (`auc_rel`: the seed means' ratio;
+one set of k = 0 runs serves every loss, see `plan`). Runs share one local Ray cluster (a head per run would cost
 its start-up each time) and run --parallel at a time. Writes DIR/study.json, DIR/study.md,
 DIR/study.png; each run keeps its directory and log under DIR/runs/.
 """
@@ -45,6 +45,7 @@ from async_rlhf.launch.bench_report import save
 from async_rlhf.launch.cli import int_list
 from async_rlhf.procs import run_child, stop_on_signals
 
+SYNC = "synchronous"  # the k = 0 cell, the baseline of every loss
 LOSSES = {  # name -> (learner.ratio_to, learner.correction)
     "decoupled-truncate": ("prox", "truncate"),
     "decoupled-mask": ("prox", "mask"),
@@ -69,8 +70,11 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     unknown = sorted(set(losses) - set(LOSSES))
     if unknown or not losses:
         raise SystemExit(f"--losses lists {unknown[0] if unknown else 'nothing'!r}: choose from {', '.join(LOSSES)}")
+    # k = 0 is one run per seed, whatever the losses: its samples come from the policy being
+    # trained, so every behaviour weight and ratio is 1 (up to the engines' 1e-3) and the three
+    # losses make the same update
     return [{"name": f"{loss}-k{k}-s{seed}", "loss": loss, "k": k, "seed": seed}
-            for k in int_list(args.staleness, "staleness") for loss in losses
+            for k in int_list(args.staleness, "staleness") for loss in (losses[:1] if k == 0 else losses)
             for seed in int_list(args.seeds, "seeds")]
 
 
@@ -131,10 +135,10 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         r["auc"] = area(r["curve"], last)
     cells: dict[tuple[str, int], list[float]] = {}
     for r in runs:
-        cells.setdefault((r["loss"], r["k"]), []).append(r["auc"])
+        cells.setdefault((SYNC if r["k"] == 0 else r["loss"], r["k"]), []).append(r["auc"])
+    base = cells.get((SYNC, 0))
     out = []
-    for (loss, k), aucs in sorted(cells.items()):
-        base = cells.get((loss, 0))
+    for (loss, k), aucs in sorted(cells.items(), key=lambda c: (c[0][1] > 0, c[0])):
         out.append({"loss": loss, "k": k, "seeds": len(aucs), "auc_mean": statistics.mean(aucs),
                     "auc_min": min(aucs), "auc_max": max(aucs),
                     "auc_sd": statistics.stdev(aucs) if len(aucs) > 1 else 0.0,
@@ -148,7 +152,8 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
              f"{report['wall_s'] / 60:.1f} min. Held-out reward (greedy, {report['eval_prompts']} prompts; "
              f"a prompt-blind policy scores at most {report['blind_ceiling']}) averaged over versions "
              f"0..{report['cells'][0]['last_version']} (area under the curve / span), mean over seeds "
-             "[min, max], and relative to k = 0 of the same loss.\n",
+             "[min, max], and relative to k = 0 (synchronous: at k = 0 the three losses make the same "
+             "update, so one set of runs serves them all).\n",
              "| loss | k | seeds | area | [min, max] | vs k = 0 |", "|---|---|---|---|---|---|"]
     for c in report["cells"]:
         rel = "-" if c["auc_rel"] is None else f"{c['auc_rel']:.3f}"
@@ -166,12 +171,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    losses = list(dict.fromkeys(r["loss"] for r in report["runs"]))
+    losses = list(dict.fromkeys(r["loss"] for r in report["runs"] if r["k"] > 0))
     ks = sorted({r["k"] for r in report["runs"]})
     fig, axes = plt.subplots(1, len(losses), figsize=(5 * len(losses), 4), sharey=True, squeeze=False)
     for ax, loss in zip(axes[0], losses):
         for k in ks:
-            curves = [r["curve"] for r in report["runs"] if r["loss"] == loss and r["k"] == k]
+            curves = [r["curve"] for r in report["runs"] if r["k"] == k and (k == 0 or r["loss"] == loss)]
             if not curves:
                 continue
             versions = sorted(set.intersection(*({c["version"] for c in curve} for curve in curves)))
