@@ -17,6 +17,7 @@ accounting of every group.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -30,10 +31,11 @@ import redis
 
 from async_rlhf.config import Config, redact_url
 from async_rlhf.launch.cli import add_config_arguments, config_from_args
-from async_rlhf.launch.metrics import MetricsLog
+from async_rlhf.launch.metrics import MetricsLog, StepRecord
+from async_rlhf.messages import GeneratorStats, JobSnapshot, JobSummary, LearnerStatus, StepMetrics, not_trained
 from async_rlhf.procs import stop_on_signals
 from async_rlhf.protocols import QueueStats
-from buffer.redis_stream import RedisExperienceQueue, not_trained
+from buffer.redis_stream import RedisExperienceQueue
 
 log = logging.getLogger("async_rlhf")
 
@@ -58,7 +60,7 @@ class Job:
         self.out = Path(cfg.out)
         self.generators: dict[str, Any] = {}  # generator id -> actor handle
         self.next_index = 0
-        self.gen_stats: dict[str, dict] = {}
+        self.gen_stats: dict[str, GeneratorStats] = {}  # as of the last tick
         self.forgotten = 0  # groups gone untrained whose gate slots were already returned
         self.carried = 0  # samples in the stream when the job (re)started
         self.last_tick = 0.0
@@ -70,12 +72,15 @@ class Job:
         self.due_restarts: list[tuple[float, str]] = []  # (monotonic time, generator id)
         self.requested: dict[str, tuple[int, dict, float]] = {}  # gid -> (request, need, since)
         self.sync_failures = 0
-        self.last_metrics: dict[str, Any] = {}
+        self.last_metrics: StepMetrics | None = None
         self.error = ""
         self.start_time = time.time()
         self.ray = None  # set once connected; the parts below exist once they have started
         self.cluster = None  # the local Ray head, unless --ray-address
         self.redis = None  # the embedded redis-server, unless queue.redis_url
+        self.redis_url = ""
+        self.start_version = 0  # the learner's version when the job (re)started
+        self.coordinator = None
         self.redis_restarts = 0
         self.left_in_queue = 0  # as of the last step
         self.queue: RedisExperienceQueue | None = None
@@ -84,7 +89,7 @@ class Job:
         self.metrics: MetricsLog | None = None  # opened once the generators are up
         self.startup: dict[str, float] = {}  # phase -> seconds since the command started
         self.placement_line = ""  # what placement: auto chose, and why
-        self.summary: dict[str, Any] = {}  # summary.json: written at the end, then with shutdown_s
+        self.summary: JobSummary | None = None  # summary.json: written at the end, then with shutdown_s
 
     def _mark(self, phase: str) -> None:
         from async_rlhf.procs import process_age_s
@@ -120,14 +125,13 @@ class Job:
                 code = 1
             stopping = time.monotonic()
             self._finish()
-        self.summary["shutdown_s"] = round(time.monotonic() - stopping, 1)
+        self.summary = dataclasses.replace(self.summary, shutdown_s=round(time.monotonic() - stopping, 1))
         self._write_summary()
-        print(f"shut down in {self.summary['shutdown_s']:.1f} s (checkpoint, export, generators, "
-              "Ray, Redis)")
+        print(f"shut down in {self.summary.shutdown_s:.1f} s (checkpoint, export, generators, Ray, Redis)")
         return code
 
     def _write_summary(self) -> None:
-        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2, default=float))
+        (self.out / "summary.json").write_text(json.dumps(self.summary.to_json(), indent=2, default=float))
 
     def _start_services(self, stack: ExitStack) -> None:
         """The model directory, Redis (embedded unless queue.redis_url) and the experience
@@ -369,7 +373,7 @@ class Job:
             except ray.exceptions.RayActorError as e:  # a rank died (a task error still ends the job)
                 version = self._restart_learners(type(e).__name__)
                 continue
-            version = metrics["version"]
+            version = metrics.version
             reason = ray.get(self.coordinator.stop_requested.remote())
             self._record(metrics, time.perf_counter() - step_start,
                          last=bool(reason) or version >= cfg.learner.steps)
@@ -378,7 +382,7 @@ class Job:
                 break
         return 0
 
-    def _step(self) -> dict[str, Any]:
+    def _step(self) -> StepMetrics:
         """One learner step on every rank, watching the job each second while it runs."""
         ray = self.ray
         refs = [l.step.remote() for l in self.learners]
@@ -414,12 +418,12 @@ class Job:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
                 self._lose_generator(gid, f"{type(e).__name__}")
                 continue
-            if error := self.gen_stats[gid]["error"]:
+            if error := self.gen_stats[gid].error:
                 log.error("generator %s failed:\n%s", gid, error)
                 self._lose_generator(gid, error.strip().splitlines()[-1])
         if not self.generators:  # all being replaced: the learner's wait is not theirs to time out
             self.learners[0].keep_waiting.remote()
-        failures = self.last_metrics.get("weight_sync_failures", 0)
+        failures = self.last_metrics.weight_sync_failures if self.last_metrics else 0
         if set(self.generators) != members or failures > self.sync_failures:
             self.sync_failures = failures  # a group that did not form or broke: form a new one
             self._new_epoch()
@@ -491,43 +495,28 @@ class Job:
             self.metrics.evaluation(e)
         return evals
 
-    def _record(self, m: dict[str, Any], step_s: float, last: bool = False) -> None:
-        ray = self.ray
+    def _record(self, m: StepMetrics, step_s: float, last: bool = False) -> None:
         if "first_step" not in self.startup:
             self._mark("first_step")
             print("start-up, seconds since the command: " + ", ".join(
                 f"{phase} {t:.1f}" for phase, t in self.startup.items()), flush=True)
         self.last_metrics = m
         self._return_slots()
-        if m["samples_fresh"] < m["samples"]:  # re-used samples push the fresh ones back
-            ray.get(self.coordinator.step_trained.remote(m["samples_fresh"]))
-        elapsed = time.time() - self.start_time
-        tokens_per_s = sum(s.get("tokens_per_s", 0.0) for s in self.gen_stats.values())
-        # generator totals since start (as of the last tick), summed over generators: `bench`
-        # takes differences over its timed window for idle fractions and generated tokens/s
-        gen_totals = {k: sum(s.get(k, 0.0) for s in self.gen_stats.values())
-                      for k in ("tokens", "produced", "generate_s", "score_s", "put_s", "idle_s",
-                                "weight_update_s")}
-        row = {
-            "step": m["version"], "policy_version": m["version"], "time": round(elapsed, 3),
-            "step_s": step_s, "samples_per_s": m["samples"] / step_s if step_s else 0.0,
-            "weight_sync_share": m.get("weight_sync_s", 0.0) / step_s if step_s else 0.0,
-            "gen_tokens_per_s": tokens_per_s, "gen_totals": gen_totals,
-            "generators": len(self.generators), **m,
-        }
-        if evals := self._evaluations(m["version"], last):
-            row["evals"] = evals
-        self.metrics.step(row)
+        if m.samples_fresh < m.samples:  # re-used samples push the fresh ones back
+            self.ray.get(self.coordinator.step_trained.remote(m.samples_fresh))
+        evals = self._evaluations(m.version, last)
+        self.metrics.step(StepRecord.of(m, time=time.time() - self.start_time, step_s=step_s,
+                                        gen_stats=self.gen_stats.values(), generators=len(self.generators),
+                                        evals=evals))
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _snapshot(self) -> JobSnapshot:
         m = self.last_metrics
-        version = m.get("version", self.start_version)
-        learner = {"step": version, "policy_version": version, "reward_mean": m.get("reward_mean"),
-                   "of_steps": self.cfg.learner.steps, "pid": self.learner_pid,
-                   "restarts": self.learner_restarts}
-        return {"generators": list(self.gen_stats.values()), "learner": learner,
-                "generator_restarts": self.restarts,
-                "out": str(self.out), "job": self.cfg.job}
+        version = m.version if m else self.start_version
+        learner = LearnerStatus(step=version, policy_version=version, reward_mean=m.reward_mean if m else None,
+                                of_steps=self.cfg.learner.steps, pid=self.learner_pid,
+                                restarts=self.learner_restarts)
+        return JobSnapshot(job=self.cfg.job, out=str(self.out), learner=learner,
+                           generators=tuple(self.gen_stats.values()), generator_restarts=self.restarts)
 
     # -- the end ---------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -546,22 +535,16 @@ class Job:
                 self.gen_stats[gid] = ray.get(handle.stop.remote(), timeout=120)
             except Exception as e:  # noqa: BLE001 - a dead generator must not block the summary
                 log.warning("stopping %s: %s", gid, e)
-        summary = self.summary = self.queue.accounting() if self.queue is not None else {}
-        summary["generators"] = list(self.gen_stats.values())
-        summary["wall_s"] = time.time() - self.start_time  # since the command, before Ray and Redis stop
-        summary["redis_restarts"] = self.redis_restarts
-        summary["startup"] = self.startup
-        summary["placement"] = self.placement_line or "manual"
-        if self.error:
-            summary["error"] = self.error
+        self.summary = JobSummary(
+            accounting=self.queue.accounting() if self.queue is not None else None,
+            generators=tuple(self.gen_stats.values()),
+            wall_s=time.time() - self.start_time,  # since the command, before Ray and Redis stop
+            redis_restarts=self.redis_restarts, startup=self.startup,
+            placement=self.placement_line or "manual", error=self.error)
         self._write_summary()
         if self.metrics is not None:
             self.metrics.close()
-        print("summary: " + ", ".join(f"{k}={summary[k]}" for k in ACCOUNTING if k in summary)
-              + (f"; error: {self.error.splitlines()[0]}" if self.error else ""))
-
-
-ACCOUNTING = ("produced", "foreign", "trained", "dropped_stale", "dead_lettered", "left_in_queue", "lost")
+        print(self.summary.line())
 
 
 def _gpu_count() -> int:
