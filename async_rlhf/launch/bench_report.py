@@ -42,16 +42,14 @@ def summarise(run_dir: Path, warmup: int) -> dict[str, Any]:
     gen = last.gen_totals.minus(first_totals)
     summary = JobSummary.from_json(json.loads((run_dir / "summary.json").read_text()))
     generators = summary.generators  # whole job: what the launcher's per-step totals lack
-    if gen.engine_loop_s:
-        dt_gen = dt
-    else:  # steps shorter than the launcher's 1 s tick: whole-run generator totals
+    dt_gen = dt
+    if not gen.engine_loop_s:  # steps shorter than the launcher's 1 s tick: whole-run generator totals
         gen, dt_gen = GeneratorTotals.of(generators), summary.wall_s
     hist: Counter[int] = Counter()
     for r in window:
         hist.update(r.metrics.staleness_hist)
     tail = rows[-max(1, len(rows) // 4):]
-    made = {0: (0, 0.0)}  # policy version -> (samples trained to make it, time it was made)
-    samples = 0
+    made, samples = {0: (0, 0.0)}, 0  # policy version -> (samples trained to make it, time it was made)
     for r in rows:
         samples += r.metrics.samples
         made[r.metrics.version] = (samples, r.time)
