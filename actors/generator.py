@@ -46,12 +46,13 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from queue import SimpleQueue
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
 
 from async_rlhf.config import Config
+from async_rlhf.messages import GeneratorStats
 from async_rlhf.protocols import AdmissionGate, ExperienceQueue, GenerationEngine
 from async_rlhf.types import Group, Prompt, Sample, Trajectory, TrajectoryError
 
@@ -153,7 +154,7 @@ class Generator:
             self._parked = False
 
     # -- the engine loop -------------------------------------------------------------------
-    def run(self, stop: threading.Event, max_groups: int | None = None) -> dict[str, Any]:
+    def run(self, stop: threading.Event, max_groups: int | None = None) -> GeneratorStats:
         """Generate until `stop` is set (or max_groups groups have been admitted and are done);
         returns stats(). At a stop, groups still in the engine are aborted and their
         admissions given back; those already finished are scored and put first."""
@@ -355,42 +356,37 @@ class Generator:
             log.exception("%s: could not dead-letter a %s group", self.generator_id, reason)
             self._counts["dead_letter_errors"] += 1
 
-    def stats(self) -> dict[str, Any]:
-        """Counters and seconds since start (plain types, for logs and Ray). `produced` and
-        `tokens` count samples put on the queue, `groups` the groups they came in (one stream
-        entry each); `set_aside` counts groups set aside, by reason. Engine loop time is
-        generate_s (steps) + idle_s (nothing to run) + weight_update_s; score_s and put_s
-        overlap it (the scorer thread). mean_inflight: sequences in the engine, averaged over
-        the steps' time; inflight_updates: weight updates that sequences in flight went on with."""
+    def stats(self) -> GeneratorStats:
+        """Counters and seconds since start (see GeneratorStats for what each counts)."""
         gen_s = self._seconds["generate"]
-        return {
-            "generator_id": self.generator_id,
-            "policy_version": self.engine.policy_version,
-            "schedule": self.schedule,
-            "update_mode": self.weight_updates,
-            "prompt_start": self.prompt_start,
-            "prompt_position": self._taken,
-            "produced": self._counts["produced"],
-            "groups": self._counts["groups"],
-            "tokens": self._counts["tokens"],
-            "steps": self._counts["steps"],
-            "aborted": self._counts["aborted"],
-            "set_aside": dict(self._set_aside),
-            "set_aside_total": sum(self._set_aside.values()),
-            "dead_letter_errors": self._counts["dead_letter_errors"],
-            "weight_updates": self._counts["weight_updates"],
-            "inflight_updates": self._counts["inflight_updates"],
-            "run_s": self._seconds["run"],
-            "generate_s": gen_s,
-            "score_s": self._seconds["score"],
-            "put_s": self._seconds["put"],
-            "idle_s": self._seconds["idle"],
-            "weight_update_s": self._seconds["weight_update"],  # loading only
-            "weight_wait_s": self._seconds["weight_wait"],  # waiting for the safe point
-            "mean_inflight": self._seconds["sequences"] / gen_s if gen_s else 0.0,
-            "tokens_per_s": self._counts["tokens"] / gen_s if gen_s else 0.0,
-            "last_mean_reward": self._last_reward,
-        }
+        return GeneratorStats(
+            generator_id=self.generator_id,
+            policy_version=self.engine.policy_version,
+            schedule=self.schedule,
+            update_mode=self.weight_updates,
+            prompt_start=self.prompt_start,
+            prompt_position=self._taken,
+            produced=self._counts["produced"],
+            groups=self._counts["groups"],
+            tokens=self._counts["tokens"],
+            steps=self._counts["steps"],
+            aborted=self._counts["aborted"],
+            set_aside=dict(self._set_aside),
+            set_aside_total=sum(self._set_aside.values()),
+            dead_letter_errors=self._counts["dead_letter_errors"],
+            weight_updates=self._counts["weight_updates"],
+            inflight_updates=self._counts["inflight_updates"],
+            run_s=self._seconds["run"],
+            generate_s=gen_s,
+            score_s=self._seconds["score"],
+            put_s=self._seconds["put"],
+            idle_s=self._seconds["idle"],
+            weight_update_s=self._seconds["weight_update"],
+            weight_wait_s=self._seconds["weight_wait"],
+            mean_inflight=self._seconds["sequences"] / gen_s if gen_s else 0.0,
+            tokens_per_s=self._counts["tokens"] / gen_s if gen_s else 0.0,
+            last_mean_reward=self._last_reward,
+        )
 
 
 def make_generator(

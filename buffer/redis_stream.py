@@ -46,13 +46,13 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from async_rlhf.config import QueueConfig
+from async_rlhf.messages import Accounting
 from async_rlhf.protocols import QueueStats
 from async_rlhf.types import Group, Received, TrajectoryError
 from buffer import redis_scripts
@@ -62,19 +62,7 @@ log = logging.getLogger(__name__)
 
 FIELD = b"t"
 PRODUCER = b"p"  # our producers' name on each entry: entries without it were written by others
-# counters that record events rather than where an entry went
-_EVENTS = ("produced", "foreign", "reclaimed", "ack_lost", "set_aside")
 _SCRIPT_CHUNK = 1000  # ids per Lua call: keeps unpack() far below Lua's stack limit
-
-
-def _outcomes(counters: dict[str, int]) -> dict[str, int]:
-    """Where entries went: trained, dropped_stale, dead_lettered, any other ack reason."""
-    return {k: v for k, v in counters.items() if not k.startswith(_EVENTS)}
-
-
-def not_trained(counters: dict[str, int]) -> int:
-    """Entries gone without training (stale, malformed, dead-lettered...), from the counters."""
-    return sum(v for k, v in _outcomes(counters).items() if k != "trained")
 
 
 class QueueFull(TimeoutError):
@@ -398,31 +386,10 @@ class RedisExperienceQueue:
             counters={k.decode(): int(v) for k, v in counters.items()},
         )
 
-    def accounting(self) -> dict[str, Any]:
-        """Where every entry (group) went, from the shared counters: produced (by our producers)
-        plus foreign (written by anyone else, counted at first delivery, and those still
-        undelivered) = trained + dropped_stale + dead_lettered + other ack reasons + left in the
-        stream; `lost` is what that leaves over, 0 unless something is wrong. `set_aside` counts
-        groups the generators set aside before producing them."""
+    def accounting(self) -> Accounting:
+        """Where every entry (group) went, from the shared counters (see Accounting)."""
         stats = self.stats()
-        c = stats.counters
-        outcomes = _outcomes(c)
-        summary = {
-            "unit": "groups",  # of generator.group_size samples each
-            "produced": c.get("produced", 0),
-            "foreign": c.get("foreign", 0) + self._foreign_backlog(),
-            "trained": outcomes.pop("trained", 0),
-            "dropped_stale": outcomes.pop("dropped_stale", 0),
-            "dead_lettered": outcomes.pop("dead_lettered", 0),
-            "acked_other": outcomes,  # acked under another reason by a consumer of our own
-            "left_in_queue": stats.backlog + stats.pending,
-            "set_aside": {k: v for k, v in c.items() if k.startswith("set_aside:")},  # never produced
-            "counters": c,
-        }
-        summary["lost"] = (summary["produced"] + summary["foreign"] - summary["trained"]
-                           - summary["dropped_stale"] - summary["dead_lettered"]
-                           - sum(outcomes.values()) - summary["left_in_queue"])
-        return summary
+        return Accounting.from_counters(stats.counters, stats.backlog + stats.pending, self._foreign_backlog())
 
     def _foreign_backlog(self) -> int:
         """Entries without our producer field that no consumer has read yet."""

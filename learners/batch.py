@@ -80,13 +80,13 @@ class Batch:
             out[k] = t
         return Batch(**out)
 
-    def reward_by_version(self) -> dict[int, list]:
-        """{generating policy version: [samples, mean reward]}: the reward each policy earned,
+    def reward_by_version(self) -> dict[int, tuple[int, float]]:
+        """{generating policy version: (samples, mean reward)}: the reward each policy earned,
         which a staleness-lagged batch mean blurs across versions."""
         out = {}
         for v in self.versions.unique().tolist():
             rewards = self.rewards[self.versions == v]
-            out[v] = [len(rewards), float(rewards.mean())]
+            out[v] = (len(rewards), float(rewards.mean()))
         return out
 
 

@@ -11,13 +11,15 @@ stages can be compared in one run. Writes JSON + PNG.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
 
+from async_rlhf.messages import StepTimes
 from async_rlhf.synthetic import PRESETS
 
-PHASES = ("wait", "recompute", "forward", "backward", "step", "weight_gather", "publish")
+PHASES = tuple(f.name for f in dataclasses.fields(StepTimes) if f.name != "checkpoint")  # no checkpoints here
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,9 +72,9 @@ def bench_one(args: argparse.Namespace, zero_stage: int) -> dict:
     wall = time.perf_counter() - t0
     if dict(queue.acked) != {"trained": n}:  # anything dropped would make the numbers lie
         raise RuntimeError(f"bench-learner expected {n} groups trained, got {dict(queue.acked)}")
-    totals = {p: sum(m[f"time_{p}"] for m in history) for p in PHASES}
-    samples = sum(m["samples"] for m in history)
-    tokens = sum(m["tokens"] for m in history)
+    totals = dataclasses.asdict(StepTimes.total(m.times for m in history))
+    samples = sum(m.samples for m in history)
+    tokens = sum(m.tokens for m in history)
     return {
         "zero_stage": zero_stage,
         "params_m": round(params / 1e6, 2),

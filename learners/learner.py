@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from async_rlhf.config import LearnerConfig
+from async_rlhf.messages import StepMetrics, StepTimes
 from async_rlhf.protocols import ExperienceQueue, ReplayBuffer, TrainBackend, WeightPublisher
 from async_rlhf.types import Group, Received, TrajectoryError
 from learners import advantages as adv_fns
@@ -114,7 +115,7 @@ class Learner:
                                   and not backend.has_dropout)
 
     # -- the loop --------------------------------------------------------------------------
-    def train(self, steps: int | None = None) -> list[dict]:
+    def train(self, steps: int | None = None) -> list[StepMetrics]:
         """Run `steps` (default: until cfg.steps versions), checkpointing as configured."""
         history = []
         target = self.cfg.steps if steps is None else self.version + steps
@@ -124,7 +125,7 @@ class Learner:
             self.save_checkpoint()  # the end of the run (a no-op if step() just saved it)
         return history
 
-    def step(self) -> dict:
+    def step(self) -> StepMetrics:
         """One policy version: wait, recompute, advantages, optimizer step(s), ack, publish,
         and a checkpoint every learner.checkpoint_every versions (when ckpt_dir is set)."""
         timing = collections.Counter()
@@ -152,28 +153,28 @@ class Learner:
             self.save_checkpoint()
             timing["checkpoint"] = time.perf_counter() - t
 
-        metrics = {
-            "version": self.version,
+        extra = {k: stats.pop(k) for k in ("kl", "value_loss", "value_clip_frac") if k in stats}
+        return StepMetrics(
+            version=self.version,
             **stats,
-            "samples": len(staleness),
-            "samples_fresh": len(first_use) * self.group_size,  # first use; the rest re-used
-            "tokens": tokens,
-            "reward_mean": float(batch.rewards.mean()),
-            "groups": len(group_sizes),
-            "group_size_min": int(group_sizes.min()),
-            "groups_singleton": int((group_sizes == 1).sum()),  # zero advantage under grpo/rloo
-            "staleness_max": max(staleness),
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_hist": dict(sorted(collections.Counter(staleness).items())),
-            # per response token, by the weights that sampled it (in-flight updates make it lower)
-            "staleness_token_mean": token_staleness(items, self.version - 1),
-            "reward_by_version": batch.reward_by_version(),
-            "trained_by_generator": dict(collections.Counter(t.generator_id for r in items
-                                                             for t in r.group.members)),
-            **{f"time_{k}": v for k, v in timing.items()},
-            **{f"count_{k}": v for k, v in self.counters.items()},
-        }
-        return metrics
+            samples=len(staleness),
+            samples_fresh=len(first_use) * self.group_size,
+            tokens=tokens,
+            reward_mean=float(batch.rewards.mean()),
+            groups=len(group_sizes),
+            group_size_min=int(group_sizes.min()),
+            groups_singleton=int((group_sizes == 1).sum()),
+            staleness_max=max(staleness),
+            staleness_mean=sum(staleness) / len(staleness),
+            staleness_hist=dict(sorted(collections.Counter(staleness).items())),
+            staleness_token_mean=token_staleness(items, self.version - 1),
+            reward_by_version=batch.reward_by_version(),
+            trained_by_generator=dict(collections.Counter(t.generator_id for r in items
+                                                          for t in r.group.members)),
+            times=StepTimes(**timing),
+            counts=dict(self.counters),
+            extra=extra,
+        )
 
     def publish_weights(self, timing: collections.Counter | None = None) -> None:
         """Gather full weights (collective) and hand them to the publisher stamped with the

@@ -100,8 +100,8 @@ def check_nonfinite_step_is_skipped(learner, queue, publisher, caplog) -> None:
 
     queue.put(random_groups(2, vocab=VOCAB, seed=1))
     metrics = learner.step()
-    assert metrics["skipped_nonfinite"] == 0 and metrics["count_skipped_nonfinite"] == 1
-    assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+    assert metrics.skipped_nonfinite == 0 and metrics.counts["skipped_nonfinite"] == 1
+    assert math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm)
     after = publisher.weights
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert all(bool(torch.isfinite(w).all()) for w in after.values())

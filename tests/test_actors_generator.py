@@ -101,7 +101,7 @@ def test_new_groups_never_overtake_old_ones_in_the_stream(tiny_actor_model):
     runner = threading.Thread(target=gen.run, args=(stop,))
     runner.start()
     deadline = time.time() + 30
-    while gen.stats()["groups"] < 3 and time.time() < deadline:  # version 0's short groups
+    while gen.stats().groups < 3 and time.time() < deadline:  # version 0's short groups
         time.sleep(0.001)
     gen.apply_weights([], version=1)
     while len({g.policy_version for g in queue.items}) < 2 and time.time() < deadline:
@@ -112,7 +112,7 @@ def test_new_groups_never_overtake_old_ones_in_the_stream(tiny_actor_model):
     assert versions == sorted(versions) and versions[-1] == 1
     (long,) = [g for g in queue.items if len(g.members[0].response_ids) == 300]
     assert [t.version_spans for t in long.members] == [((0, 0), (1, long.members[0].version_spans[1][1]))] * 2
-    assert gen.stats()["inflight_updates"] == 1 and gate.running == 0
+    assert gen.stats().inflight_updates == 1 and gate.running == 0
 
 
 def picky_reward(prompts, responses):
@@ -157,9 +157,9 @@ def test_failed_rewards_are_set_aside_and_loop_goes_on(vllm_engine, tiny_actor_m
     queue, gate = ListQueue(), StalenessGate(max_staleness=1, batch_size=8)
     gen = _generator(vllm_engine, tiny_actor_model, queue, gate)
     stats = gen.run(threading.Event(), max_groups=8)  # capacity (1 + 0 + 1) x 8 = 8 groups of 2
-    assert stats["produced"] == 8 == len(queue.samples())
-    assert stats["groups"] == 4 == len(queue.items)
-    assert stats["set_aside"] == {"reward_raised": 2, "reward_nan": 2}  # groups, once each
+    assert stats.produced == 8 == len(queue.samples())
+    assert stats.groups == 4 == len(queue.items)
+    assert stats.set_aside == {"reward_raised": 2, "reward_nan": 2}  # groups, once each
     assert sorted(r for r, _, _ in queue.dead) == ["reward_nan"] * 2 + ["reward_raised"] * 2
     reason, detail, payload = next(d for d in queue.dead if d[0] == "reward_raised")
     assert "reward crashed on boom" in detail
@@ -173,7 +173,7 @@ def test_failed_rewards_are_set_aside_and_loop_goes_on(vllm_engine, tiny_actor_m
         assert t.reward == 0.5 and t.reward_parts == {"picky": 0.5} and t.generator_id == "gen-t"
         assert t.policy_version == 0 and t.version_spans == ((0, 0),) and t.generation_s > 0
     assert len({g.group_id for g in queue.items}) == 4
-    assert stats["tokens"] == sum(len(t.response_ids) for t in queue.samples()) and stats["tokens_per_s"] > 0
+    assert stats.tokens == sum(len(t.response_ids) for t in queue.samples()) and stats.tokens_per_s > 0
 
 
 @pytest.mark.slow
@@ -185,24 +185,24 @@ def test_gate_wait_and_weights_at_the_safe_point(vllm_engine, tiny_actor_model):
     runner = threading.Thread(target=gen.run, args=(stop, 12))
     runner.start()
     deadline = time.time() + 60
-    while gen.stats()["groups"] < 4 and time.time() < deadline:
+    while gen.stats().groups < 4 and time.time() < deadline:
         time.sleep(0.01)
     time.sleep(0.2)
-    assert gen.stats()["groups"] == 4 and gen.stats()["idle_s"] > 0.1  # refused: waits for the learner
+    assert gen.stats().groups == 4 and gen.stats().idle_s > 0.1  # refused: waits for the learner
     from transformers import AutoModelForCausalLM
 
     weights = AutoModelForCausalLM.from_pretrained(tiny_actor_model).state_dict()
     gen.apply_weights(weights.items(), version=1)  # the gate admits version 1 weights again
-    while gen.stats()["groups"] < 8 and time.time() < deadline:
+    while gen.stats().groups < 8 and time.time() < deadline:
         time.sleep(0.01)
     gen.apply_weights(weights.items(), version=2)
     runner.join(60)
     assert not runner.is_alive()
     assert [t.policy_version for t in queue.samples()] == [0] * 8 + [1] * 8 + [2] * 8
     s = gen.stats()
-    assert s["weight_updates"] == 2 and s["policy_version"] == 2
-    assert s["inflight_updates"] == 0  # both came while the engine was empty, waiting for them
-    assert s["weight_update_s"] > 0 and s["weight_wait_s"] >= 0
+    assert s.weight_updates == 2 and s.policy_version == 2
+    assert s.inflight_updates == 0  # both came while the engine was empty, waiting for them
+    assert s.weight_update_s > 0 and s.weight_wait_s >= 0
 
 
 @pytest.mark.slow
@@ -211,7 +211,7 @@ def test_stop_while_waiting_for_admission(vllm_engine, tiny_actor_model):
     gen = _generator(vllm_engine, tiny_actor_model, ListQueue(), gate)
     stop = threading.Event()
     threading.Timer(0.2, stop.set).start()
-    assert gen.run(stop)["groups"] == 0 and gate.running == 0
+    assert gen.run(stop).groups == 0 and gate.running == 0
 
 
 def test_make_generator_from_config(tiny_actor_model):
@@ -223,7 +223,7 @@ def test_make_generator_from_config(tiny_actor_model):
     )
     queue, gate = ListQueue(), StalenessGate(max_staleness=2, batch_size=4)
     gen = make_generator(cfg, queue, EngineGate(gate, lambda: 0), index=1)
-    assert gen.generator_id == "gen-1" and gen.run(threading.Event(), max_groups=2)["produced"] == 4
+    assert gen.generator_id == "gen-1" and gen.run(threading.Event(), max_groups=2).produced == 4
     assert [g.size for g in queue.items] == [2, 2]
     assert all(t.version_spans == ((0, 0),) for t in queue.samples())
     assert all(t.reward_parts.keys() == {"actors.tasks:score"} for t in queue.samples())
@@ -253,7 +253,7 @@ def test_generator_into_the_real_redis_stream(vllm_engine, tiny_actor_model, red
     consumer = _redis_queue(redis_server, stream_name, "learner-0")
     gate = StalenessGate(max_staleness=0, batch_size=8)
     gen = _generator(vllm_engine, tiny_actor_model, producer, gate)
-    assert gen.run(threading.Event(), max_groups=4)["produced"] == 4  # 4 prompts x 2 samples, the
+    assert gen.run(threading.Event(), max_groups=4).produced == 4  # 4 prompts x 2 samples, the
     # boom and nan prompts' groups set aside
     got = consumer.get(10, block_ms=2000)
     assert [r.group.size for r in got] == [2, 2]
@@ -272,7 +272,7 @@ def test_generator_into_the_real_redis_stream(vllm_engine, tiny_actor_model, red
     # a generator that restarts under the same id continues its prompts where its groups end
     assert producer.prompt_positions() == {"gen-t": 4}
     again = _generator(vllm_engine, tiny_actor_model, producer, gate)
-    assert again.stats()["prompt_start"] == 4 == again.prompts.position
+    assert again.stats().prompt_start == 4 == again.prompts.position
     fresh_start = PromptStream(RECORDS, AutoTokenizer.from_pretrained(tiny_actor_model), seed=0)
     fresh_start.take(4)
     assert next(again.prompts).prompt_id == next(fresh_start).prompt_id
@@ -291,7 +291,7 @@ def test_a_group_reaches_the_stream_whole_or_not_at_all(
     gen = _generator(vllm_engine, tiny_actor_model, producer, gate, records=records,
                      reward="one_nan_reward", group_size=3)
     # 4 prompts x 3 samples; the "one" prompt's group set aside whole
-    assert gen.run(threading.Event(), max_groups=4)["produced"] == 9
+    assert gen.run(threading.Event(), max_groups=4).produced == 9
     got = consumer.get(20, block_ms=2000)
     assert [r.group.size for r in got] == [3, 3, 3]
     for r in got:
@@ -307,7 +307,7 @@ def test_a_group_reaches_the_stream_whole_or_not_at_all(
     payload = json.loads(letter.raw)
     assert payload["prompt"] == "copy 1=" and len(payload["responses"]) == 3
     stats = gen.stats()
-    assert stats["set_aside"] == {"reward_nan": 1} and stats["groups"] == 3 and stats["produced"] == 9
+    assert stats.set_aside == {"reward_nan": 1} and stats.groups == 3 and stats.produced == 9
     assert gate.accepted == 9 and gate.running == 0
 
 
@@ -333,34 +333,34 @@ def test_weight_update_in_flight_or_between_groups(
     runner.start()
     try:
         deadline = time.time() + 60
-        while gen.stats()["groups"] < 4 and time.time() < deadline:
+        while gen.stats().groups < 4 and time.time() < deadline:
             time.sleep(0.01)
         gen.apply_weights(weights.items(), version=old + 1)
-        while gen.stats()["groups"] < 16 and time.time() < deadline:
+        while gen.stats().groups < 16 and time.time() < deadline:
             time.sleep(0.01)
     finally:
         stop.set()
         runner.join(60)
         vllm_engine.update_weights(weights.items(), version=old)
     stats = gen.stats()
-    assert stats["weight_updates"] == 1 and stats["groups"] >= 16 and gate.running == 0
-    assert stats["mean_inflight"] > 2 and stats["tokens_per_s"] > 0
+    assert stats.weight_updates == 1 and stats.groups >= 16 and gate.running == 0
+    assert stats.mean_inflight > 2 and stats.tokens_per_s > 0
     groups = [r.group for r in consumer.get(10**4, block_ms=2000)]  # decoded, in stream order
     members = [t for g in groups for t in g.members]
     # a new group never overtakes an old one in the stream (the gate's bound assumes it)
     assert [g.policy_version for g in groups] == sorted(g.policy_version for g in groups)
-    assert len(members) == stats["produced"] == gate.accepted
+    assert len(members) == stats.produced == gate.accepted
     spans = [t.version_spans for t in members]
     assert {sp[0][0] for sp in spans} == {old, old + 1}
     assert all(t.policy_version == t.version_spans[0][0] for t in members)
     crossed = [t for t in members if len(t.version_spans) == 2]
     if mode == "inflight":
-        assert stats["inflight_updates"] == 1 and crossed
+        assert stats.inflight_updates == 1 and crossed
         for t in crossed:  # started with the old version, went on with the new: staleness is the old's
             (v0, start0), (v1, start1) = t.version_spans
             assert (v0, start0, v1) == (old, 0, old + 1) and 0 < start1 < len(t.response_ids)
             assert t.policy_version == old and t.token_versions().tolist() == (
                 [old] * start1 + [old + 1] * (len(t.response_ids) - start1))
     else:
-        assert stats["inflight_updates"] == 0 and not crossed
-        assert stats["weight_wait_s"] > 0  # for the engine to empty
+        assert stats.inflight_updates == 0 and not crossed
+        assert stats.weight_wait_s > 0  # for the engine to empty

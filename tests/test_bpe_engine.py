@@ -234,7 +234,7 @@ def test_the_learner_trains_on_the_generators_ids(vllm_engine, bpe_actor_model, 
     prompts = {p.prompt_id: p for p in gen.prompts.prompts}
     vllm_engine.temperature = 0.0
     try:
-        assert gen.run(threading.Event(), max_groups=len(prompts))["produced"] == len(prompts)
+        assert gen.run(threading.Event(), max_groups=len(prompts)).produced == len(prompts)
     finally:
         vllm_engine.temperature = TEMPERATURE
     items: list[Received] = consumer.get(len(prompts) + 1, block_ms=2000)

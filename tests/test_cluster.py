@@ -20,9 +20,9 @@ from async_rlhf.launch.cluster import (
     read_job_info,
     remove_job_info,
     start_local_cluster,
-    start_worker_node,
     write_job_info,
 )
+from ray_nodes import start_worker_node
 
 
 def test_job_registry_roundtrip_mode_and_missing(tmp_path, monkeypatch):

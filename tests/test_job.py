@@ -237,7 +237,7 @@ def _cli_result(tmp_path: Path, *args: str, timeout_s: float = 180) -> subproces
 
 
 def test_add_generators_on_this_machine_and_on_a_second_node(tmp_path, tiny_actor_model):
-    from async_rlhf.launch import cluster
+    from ray_nodes import start_worker_node
 
     name = "grow"
     proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "max_staleness=1")
@@ -252,7 +252,7 @@ def test_add_generators_on_this_machine_and_on_a_second_node(tmp_path, tiny_acto
         local = _cli_result(tmp_path, "add-generators", "--job", name, "--wait-s", "150")
         assert local.returncode == 0 and "ready gen-1" in local.stdout, local.stdout + local.stderr
         info = json.loads(next((tmp_path / "home" / "jobs").glob(f"{name}.json")).read_text())
-        with cluster.start_worker_node(info["ray_address"], info["ray_token_path"], num_cpus=1,
+        with start_worker_node(info["ray_address"], info["ray_token_path"], num_cpus=1,
                                        resources={"node_b": 1}):
             remote = _cli_result(tmp_path, "add-generators", "--job", name, "--resources",
                                  '{"node_b": 1}', "--wait-s", "150")

@@ -203,7 +203,7 @@ def _skip_then_train(learner, groups, out: Path) -> None:
     metrics = learner.train(steps=1)[0]
     after = weights()
     report = {"skipped": stats["skipped_nonfinite"], "count": learner.counters["skipped_nonfinite"],
-              "unchanged": unchanged, "next_skipped": metrics["skipped_nonfinite"],
+              "unchanged": unchanged, "next_skipped": metrics.skipped_nonfinite,
               "next_finite": all(bool(torch.isfinite(w).all()) for w in after.values()),
               "next_moved": any(not torch.equal(before[k], after[k]) for k in before)}
     (out / f"skip-{learner.rank}.json").write_text(json.dumps(report))

@@ -56,14 +56,9 @@ def test_fixed_batch_objective_decreases_and_metrics_are_complete(make_learner):
     assert set(publisher.weights) == {n for n, _ in be.model.named_parameters()}
     stats = queue.stats()
     assert stats.counters == {"produced": 8, "trained": 8} and stats.pending == stats.backlog == 0  # groups
-    for key in ("loss", "loss_policy", "entropy", "clip_frac", "bw_mean", "bw_max", "bw_capped_frac",
-                "grad_norm", "samples", "tokens", "reward_mean", "staleness_hist", "staleness_max",
-                "time_wait", "time_recompute", "time_forward", "time_backward", "time_step", "time_weight_gather",
-                "time_publish"):
-        assert key in metrics, key
-    assert metrics["samples"] == 8 and metrics["tokens"] == 64 and math.isfinite(metrics["grad_norm"])
-    assert metrics["groups"] == 2 and metrics["group_size_min"] == 4 and metrics["groups_singleton"] == 0
-    assert metrics["count_groups"] == 8 and metrics["count_samples"] == 32
+    assert metrics.samples == 8 and metrics.tokens == 64 and math.isfinite(metrics.grad_norm)
+    assert metrics.groups == 2 and metrics.group_size_min == 4 and metrics.groups_singleton == 0
+    assert metrics.counts["groups"] == 8 and metrics.counts["samples"] == 32
 
 
 def with_member(group: Group, index: int, **changes) -> Group:
@@ -93,11 +88,11 @@ def test_stale_and_malformed_groups_are_acked_with_a_reason_not_trained(make_lea
     assert sorted(dead) == ["non_finite_logprob", "non_finite_reward", "token_id"]
     back = decode(dead["token_id"].raw)
     assert back.size == 4 and np.array_equal(back.members[3].response_ids, bad_token.members[3].response_ids)
-    assert metrics["count_dropped_stale"] == 1 and metrics["count_rejected_token_id"] == 1
-    assert metrics["staleness_hist"] == {0: 8}
+    assert metrics.counts["dropped_stale"] == 1 and metrics.counts["rejected_token_id"] == 1
+    assert metrics.staleness_hist == {0: 8}
     mean_reward = sum(t.reward for g in fresh for t in g.members) / 8
-    assert metrics["reward_by_version"] == {3: [8, pytest.approx(mean_reward, abs=1e-6)]}
-    assert math.isfinite(metrics["loss"])
+    assert metrics.reward_by_version == {3: (8, pytest.approx(mean_reward, abs=1e-6))}
+    assert math.isfinite(metrics.loss)
 
 
 def test_batches_hold_only_whole_groups_around_rejected_ones(make_learner):
@@ -111,9 +106,9 @@ def test_batches_hold_only_whole_groups_around_rejected_ones(make_learner):
     learner, queue, _ = make_learner([good[0], bad_token, short, bad_reward, *good[1:]])
     history = [learner.step(), learner.step()]
     for metrics in history:
-        assert (metrics["samples"], metrics["groups"], metrics["group_size_min"]) == (8, 2, 4)
-        assert metrics["groups_singleton"] == 0
-    assert history[-1]["count_rejected_group_size"] == 1 and history[-1]["count_rejected_token_id"] == 1
+        assert (metrics.samples, metrics.groups, metrics.group_size_min) == (8, 2, 4)
+        assert metrics.groups_singleton == 0
+    assert history[-1].counts["rejected_group_size"] == 1 and history[-1].counts["rejected_token_id"] == 1
     stats = queue.stats()
     assert stats.counters == {"produced": 7, "trained": 4, "dead_lettered": 3}
     assert stats.pending == stats.backlog == 0
@@ -145,7 +140,7 @@ def test_entries_reclaimed_by_another_consumer_are_not_trained(make_learner, mak
         stolen = pool.submit(reclaim_then_produce)
         metrics = learner.step()
         stolen = stolen.result()
-    assert metrics["samples"] == 8 and metrics["count_lost_to_reclaim"] == 1
+    assert metrics.samples == 8 and metrics.counts["lost_to_reclaim"] == 1
     stats = queue.stats()
     assert stats.counters == {"produced": 4, "trained": 2, "reclaimed": 1}  # groups; no ack_lost
     assert stats.pending == 2 and stats.backlog == 0
@@ -172,8 +167,8 @@ def test_pi_prox_from_the_training_forward_gives_the_recomputed_update(make_lear
         results.append((metrics, publisher.weights))
     (fused, w_fused), (recomputed, w_recomputed) = results
     for key in ("loss", "bw_mean", "bw_max", "bw_capped_frac", "grad_norm"):
-        assert fused[key] == pytest.approx(recomputed[key], rel=1e-5, abs=1e-7), key
-    assert 0 < fused["bw_capped_frac"] < 1
+        assert getattr(fused, key) == pytest.approx(getattr(recomputed, key), rel=1e-5, abs=1e-7), key
+    assert 0 < fused.bw_capped_frac < 1
     for name, w in w_fused.items():
         torch.testing.assert_close(w, w_recomputed[name], rtol=0, atol=1e-6)
 
@@ -199,9 +194,9 @@ def test_other_estimators_and_kl_modes_train(make_learner, overrides):
     history = learner.train(steps=2)
     assert learner.version == 2 and queue.stats().counters["trained"] == 4  # groups
     for m in history:
-        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+        assert all(math.isfinite(v) for v in m.to_json().values() if isinstance(v, float)), m
     if overrides["advantage"] == "gae":
-        assert "value_loss" in history[-1] and history[-1]["kl"] > 0
+        assert "value_loss" in history[-1].extra and history[-1].extra["kl"] > 0
 
 
 def test_a_non_finite_loss_skips_the_step_and_the_next_batch_trains(make_learner, caplog):

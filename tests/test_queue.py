@@ -103,16 +103,16 @@ def test_entries_written_by_a_foreign_client_are_counted_and_accounted(make_queu
     queue.put([make_group(0), make_group(1)])
     for i in range(3):  # garbage from another client, one with our payload field
         redis_client.xadd(stream_name, {FIELD: b"not msgpack"} if i else {b"x": b"1"})
-    assert queue.accounting()["foreign"] == 3  # undelivered yet
+    assert queue.accounting().foreign == 3  # undelivered yet
     got = queue.get(2, block_ms=0)
     assert [r.group.group_id for r in got] == ["group-0", "group-1"]
-    assert queue.accounting()["foreign"] == 3
+    assert queue.accounting().foreign == 3
     assert queue.get(10, block_ms=0) == []  # the three are dead-lettered on delivery
     queue.ack([r.entry_id for r in got])
     summary = queue.accounting()
-    assert summary["counters"]["foreign"] == 3 and summary["foreign"] == 3
-    assert (summary["produced"], summary["trained"], summary["dead_lettered"]) == (2, 2, 3)
-    assert summary["lost"] == 0 and summary["left_in_queue"] == 0
+    assert summary.counters["foreign"] == 3 and summary.foreign == 3
+    assert (summary.produced, summary.trained, summary.dead_lettered) == (2, 2, 3)
+    assert summary.lost == 0 and summary.left_in_queue == 0
 
 
 def test_a_restarted_consumer_takes_back_what_its_predecessor_held_at_once(make_queue):

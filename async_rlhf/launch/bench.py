@@ -63,6 +63,7 @@ from typing import Any
 
 from async_rlhf.launch.bench_report import plot, save, summarise, verdicts, write_markdown
 from async_rlhf.launch.cli import int_list
+from async_rlhf.messages import GeneratorStats, StepTimes
 from async_rlhf.procs import run_child
 
 # generator.schedule and generator.weight_updates of each --modes name
@@ -118,22 +119,22 @@ def _bound_gen(cfg, redis_url: str, groups: int) -> dict[str, Any]:
     runner = threading.Thread(target=gen.run, args=(stop,), daemon=True)
     runner.start()
 
-    def after(target: int) -> tuple[dict[str, Any], float]:
-        while (stats := gen.stats())["groups"] < target and runner.is_alive():
+    def after(target: int) -> tuple[GeneratorStats, float]:
+        while (stats := gen.stats()).groups < target and runner.is_alive():
             time.sleep(0.02)
         return stats, time.perf_counter()
 
     before, start = after(cfg.generator.max_inflight // cfg.generator.group_size)
-    end, stop_time = after(before["groups"] + groups)
+    end, stop_time = after(before.groups + groups)
     stop.set()
     runner.join()
-    if end["groups"] < before["groups"] + groups:
+    if end.groups < before.groups + groups:
         raise RuntimeError("generation bound: the generator loop ended early (see the log)")
     wall = stop_time - start
-    samples, tokens = end["produced"] - before["produced"], end["tokens"] - before["tokens"]
+    samples, tokens = end.produced - before.produced, end.tokens - before.tokens
     return {"samples_per_s": samples / wall, "tokens_per_s": tokens / wall, "wall_s": wall,
-            "samples": samples, "threads": cfg.generator.threads, "mean_inflight": end["mean_inflight"],
-            "generate_share": (end["generate_s"] - before["generate_s"]) / wall}
+            "samples": samples, "threads": cfg.generator.threads, "mean_inflight": end.mean_inflight,
+            "generate_share": (end.generate_s - before.generate_s) / wall}
 
 
 def _bound_engine(cfg, groups: int) -> dict[str, Any]:
@@ -186,11 +187,11 @@ def _bound_train(cfg, redis_url: str, warmup: int, steps: int) -> dict[str, Any]
     start = time.perf_counter()
     history = learner.train(steps)
     wall = time.perf_counter() - start
-    samples = sum(m["samples"] for m in history)
-    return {"samples_per_s": samples / wall, "tokens_per_s": sum(m["tokens"] for m in history) / wall,
+    samples = sum(m.samples for m in history)
+    return {"samples_per_s": samples / wall, "tokens_per_s": sum(m.tokens for m in history) / wall,
             "wall_s": wall, "samples": samples, "threads": cfg.learner.threads,
             "step_s": wall / steps,
-            "share": {k[5:]: sum(m[k] for m in history) / wall for k in history[0] if k.startswith("time_")}}
+            "share": {k: v / wall for k, v in dataclasses.asdict(StepTimes.total(m.times for m in history)).items()}}
 
 
 def _worker(args: argparse.Namespace) -> int:

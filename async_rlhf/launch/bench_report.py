@@ -9,7 +9,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-GEN_LOOP = ("generate_s", "idle_s", "weight_update_s")  # the generator's engine loop time
+from async_rlhf.launch.metrics import StepRecord
+from async_rlhf.messages import GeneratorTotals, JobSummary
+
 REWARD_TARGETS = (0.5, 0.8, 0.9)  # policy rewards whose time from the command is reported
 
 
@@ -31,66 +33,62 @@ def time_to_reward(curve: list[dict], target: float) -> float | None:
 
 def summarise(run_dir: Path, warmup: int) -> dict[str, Any]:
     """Rates over the timed window of one job, from its metrics.jsonl and summary.json."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [StepRecord.from_json(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     if len(rows) <= warmup:
         raise RuntimeError(f"{run_dir}: {len(rows)} steps recorded, the warm-up alone is {warmup}")
-    first = rows[warmup - 1] if warmup else {"time": 0.0, "gen_totals": {}}
+    first_time, first_totals = (rows[warmup - 1].time, rows[warmup - 1].gen_totals) if warmup else (0.0, GeneratorTotals())
     window, last = rows[warmup:], rows[-1]
-    dt = last["time"] - first["time"]
-    gen = {k: last["gen_totals"].get(k, 0.0) - first["gen_totals"].get(k, 0.0)
-           for k in (*GEN_LOOP, "tokens")}
-    gen_loop = sum(gen[k] for k in GEN_LOOP)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    if not gen_loop:  # steps shorter than the launcher's 1 s tick: whole-run generator totals
-        gen = {k: sum(g.get(k, 0.0) for g in summary["generators"]) for k in (*GEN_LOOP, "tokens")}
-        gen_loop, dt_gen = sum(gen[k] for k in GEN_LOOP), summary["wall_s"]
-    else:
-        dt_gen = dt
-    generators = summary["generators"]  # whole job: what the launcher's per-step totals lack
+    dt = last.time - first_time
+    gen = last.gen_totals.minus(first_totals)
+    summary = JobSummary.from_json(json.loads((run_dir / "summary.json").read_text()))
+    generators = summary.generators  # whole job: what the launcher's per-step totals lack
+    dt_gen = dt
+    if not gen.engine_loop_s:  # steps shorter than the launcher's 1 s tick: whole-run generator totals
+        gen, dt_gen = GeneratorTotals.of(generators), summary.wall_s
     hist: Counter[int] = Counter()
     for r in window:
-        hist.update({int(k): v for k, v in r["staleness_hist"].items()})
+        hist.update(r.metrics.staleness_hist)
     tail = rows[-max(1, len(rows) // 4):]
-    made = {0: (0, 0.0)}  # policy version -> (samples trained to make it, time it was made)
-    samples = 0
+    made, samples = {0: (0, 0.0)}, 0  # policy version -> (samples trained to make it, time it was made)
     for r in rows:
-        samples += r["samples"]
-        made[r["version"]] = (samples, r["time"])
+        samples += r.metrics.samples
+        made[r.metrics.version] = (samples, r.time)
     earned: dict[int, list[float]] = {}  # version -> [samples it generated, their reward sum]
     for r in rows:
-        for v, (n, mean) in r["reward_by_version"].items():
-            acc = earned.setdefault(int(v), [0, 0.0])
+        for v, (n, mean) in r.metrics.reward_by_version.items():
+            acc = earned.setdefault(v, [0, 0.0])
             acc[0] += n
             acc[1] += n * mean
     policy_curve = [{"version": v, "samples": made[v][0], "time": made[v][1], "reward": s / n, "n": n}
                     for v, (n, s) in sorted(earned.items())]
+    acc = summary.accounting
     return {
         "timed_steps": len(window),
         "window_s": dt,
-        "samples_per_s": sum(r["samples"] for r in window) / dt,
-        "trained_tokens_per_s": sum(r["tokens"] for r in window) / dt,
-        "tokens_per_s": gen["tokens"] / dt_gen,  # generated response tokens
-        "gen_tokens_per_step_s": gen["tokens"] / gen["generate_s"] if gen["generate_s"] else float("nan"),
-        "gen_idle": gen["idle_s"] / gen_loop if gen_loop else float("nan"),
-        "gen_mean_inflight": _mean([g.get("mean_inflight", 0.0) for g in generators]),
-        "gen_inflight_updates": sum(g.get("inflight_updates", 0) for g in generators),
-        "gen_weight_updates": sum(g.get("weight_updates", 0) for g in generators),
-        "staleness_mean": sum(int(k) * v for k, v in hist.items()) / max(1, sum(hist.values())),
-        "staleness_token_mean": _mean([r["staleness_token_mean"] for r in window
-                                       if "staleness_token_mean" in r]),
-        "learner_idle": sum(r["time_wait"] for r in window) / dt,
-        "weight_sync_share": sum(r["weight_sync_share"] for r in window) / len(window),
+        "samples_per_s": sum(r.metrics.samples for r in window) / dt,
+        "trained_tokens_per_s": sum(r.metrics.tokens for r in window) / dt,
+        "tokens_per_s": gen.tokens / dt_gen,  # generated response tokens
+        "gen_tokens_per_step_s": gen.tokens / gen.generate_s if gen.generate_s else float("nan"),
+        "gen_idle": gen.idle_s / gen.engine_loop_s if gen.engine_loop_s else float("nan"),
+        "gen_mean_inflight": _mean([g.mean_inflight for g in generators]),
+        "gen_inflight_updates": sum(g.inflight_updates for g in generators),
+        "gen_weight_updates": sum(g.weight_updates for g in generators),
+        "staleness_mean": sum(k * v for k, v in hist.items()) / max(1, sum(hist.values())),
+        "staleness_token_mean": _mean([r.metrics.staleness_token_mean for r in window]),
+        "learner_idle": sum(r.metrics.times.wait for r in window) / dt,
+        "weight_sync_share": sum(r.weight_sync_share for r in window) / len(window),
         "step_s": dt / len(window),
         "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
-        "reward_final": sum(r["reward_mean"] for r in tail) / len(tail),
+        "reward_final": sum(r.metrics.reward_mean for r in tail) / len(tail),
         "policy_curve": policy_curve,
-        "accounting": {k: summary.get(k) for k in ("produced", "trained", "dropped_stale", "lost")},
+        "accounting": {"produced": acc.produced, "trained": acc.trained, "dropped_stale": acc.dropped_stale,
+                       "lost": acc.lost} if acc else dict.fromkeys(("produced", "trained", "dropped_stale", "lost")),
         # seconds since the command started (the train process's start)
-        "first_step_s": rows[0]["time"],
+        "first_step_s": rows[0].time,
         "reward_s": {str(t): time_to_reward(policy_curve, t) for t in REWARD_TARGETS},
-        "startup": summary.get("startup", {}),
-        "shutdown_s": summary.get("shutdown_s"),
-        "placement_chosen": summary.get("placement", "manual"),
+        "startup": dict(summary.startup),
+        "shutdown_s": summary.shutdown_s,
+        "placement_chosen": summary.placement,
     }
 
 

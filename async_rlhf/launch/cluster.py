@@ -1,4 +1,4 @@
-"""A Ray cluster bound to loopback, second drivers, extra nodes, and a registry of running jobs.
+"""A Ray cluster bound to loopback, second drivers, and a registry of running jobs.
 
 `async-rlhf train` starts a local cluster (or connects to one by address) and records the job;
 `async-rlhf status|stop|add-generators --job NAME` read that record from other processes and
@@ -11,8 +11,9 @@ How Ray is kept on 127.0.0.1 (Ray 2.60; read from ray/_private/services.py):
   address is the loopback one. Every Ray process we start gets that variable, and `connect` sets
   it for its own process when the address is on loopback. With it, the GCS, raylet, Ray client
   server and agents all listen on 127.0.0.1 only.
-- `ray start` refuses to start a non-head node under that variable, so `start_worker_node` runs
-  `ray._private.node.Node(head=False)` itself, which is what `ray start --address` does.
+- `ray start` refuses to start a non-head node under that variable, so a second node on this
+  machine (the tests' tests/ray_nodes.py) runs `ray._private.node.Node(head=False)` itself, which
+  is what `ray start --address` does.
 - Token auth: a local cluster gets a token of its own, made at start (`secrets.token_hex(32)`,
   as Ray makes them) in a 0600 file inside its 0700 temp dir; every process of the cluster, and
   every driver that connects with `token_path`, gets `RAY_AUTH_MODE=token` and
@@ -250,43 +251,6 @@ def launch_local_cluster(num_cpus: int, resources: dict[str, float] | None = Non
     ]
     group = _spawn(cmd, temp_dir.with_suffix(".log"), token_path)
     return LocalCluster(group, address=f"{LOOPBACK}:{port}", temp_dir=temp_dir)
-
-
-_WORKER_NODE_MAIN = """
-import json, signal, sys
-from ray._private.node import Node
-from ray._private.parameter import RayParams
-address, num_cpus, resources = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-params = RayParams(gcs_address=address, node_ip_address="127.0.0.1", num_cpus=num_cpus,
-                   resources=resources, dashboard_agent_listen_port=0)
-node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
-print("WORKER_NODE_READY", node.node_id, flush=True)
-while True:
-    signal.pause()  # Node's SIGTERM handler shuts the node's processes down and exits
-"""
-
-
-@dataclass
-class WorkerNode(_Node):
-    """A second raylet on this machine joined to a cluster; `node_id` is Ray's hex node id."""
-
-    node_id: str = ""
-
-
-def start_worker_node(address: str, token_path: Path, num_cpus: int,
-                      resources: dict[str, float]) -> WorkerNode:
-    """Join a raylet on this machine (own ports, loopback) to the cluster at `address`, whose
-    token is in `token_path`."""
-    host = address.rsplit(":", 1)[0]
-    if host not in _LOOPBACK_HOSTS:
-        raise ValueError(f"start_worker_node joins a node on this machine's loopback; got address "
-                         f"{address}: use `ray start --address={address}` on the other machine")
-    log_path = Path(tempfile.mkstemp(prefix="arl-ray-node-", suffix=".log", dir="/tmp")[1])
-    cmd = [sys.executable, "-c", _WORKER_NODE_MAIN, f"{LOOPBACK}:{address.rsplit(':', 1)[1]}",
-           str(num_cpus), json.dumps(resources)]
-    group = _spawn(cmd, log_path, token_path)
-    line = _wait_for_log(group, "WORKER_NODE_READY", f"ray worker node for {address}")
-    return WorkerNode(group, node_id=line.split()[-1])
 
 
 def connect(address: str | None, namespace: str, token_path: Path | str | None = None, **init_kwargs):

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
+
+from async_rlhf.messages import Accounting, CoordinatorSnapshot
 
 
 def _coordinator(job: str):
@@ -25,7 +29,41 @@ def _coordinator(job: str):
         raise SystemExit(f"job {job!r} is registered but its coordinator is gone: has it ended?") from None
 
 
-def status(job: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class JobStatus:
+    """`async-rlhf status`: the coordinator's snapshot and the stream's accounting."""
+
+    job: str
+    coordinator: CoordinatorSnapshot
+    redis_url: str  # password redacted
+    stream: str
+    queue: Accounting
+
+    def to_json(self) -> dict[str, Any]:
+        c, snap = self.coordinator, self.coordinator.job
+        return {"job": self.job, "learner": dataclasses.asdict(snap.learner) if snap else {},
+                "generators": [g.to_json() for g in snap.generators] if snap else [],
+                "generator_restarts": snap.generator_restarts if snap else 0, "requests": dict(c.requests),
+                "gate": {"accepted": c.gate_accepted, "running": c.gate_running},
+                "queue": {"redis_url": self.redis_url, "stream": self.stream, **self.queue.to_json()}}
+
+    def lines(self) -> list[str]:
+        snap, q = self.coordinator.job, self.queue
+        if snap is None:
+            out = [f"job {self.job}: learner step ? policy_version ?  restarts: learner 0, generators 0"]
+        else:
+            learner = snap.learner
+            out = [f"job {self.job}: learner step {learner.step} policy_version {learner.policy_version}  "
+                   f"restarts: learner {learner.restarts}, generators {snap.generator_restarts}"]
+            out += [f"  {g.generator_id:>8}  node {g.node}  pid {g.pid}  policy_version {g.policy_version}  "
+                    f"produced {g.produced}{'  ERROR' if g.error else ''}" for g in snap.generators]
+        out += [f"  generator request {i}: {state}" for i, state in self.coordinator.requests.items()]
+        out.append(f"queue {self.redis_url} stream {self.stream}: backlog+pending {q.left_in_queue}, "
+                   f"produced {q.produced}, trained {q.trained}, dead letters {q.dead_lettered}")
+        return out
+
+
+def status(job: str) -> JobStatus:
     import ray
 
     from async_rlhf.config import load_config, redact_url
@@ -34,28 +72,8 @@ def status(job: str) -> dict[str, Any]:
     info, coordinator = _coordinator(job)
     snap = ray.get(coordinator.get_snapshot.remote())
     cfg = load_config(f"{info['out']}/config.yaml")
-    queue = RedisExperienceQueue.from_config(cfg.queue, info["redis_url"], consumer="status").accounting()
-    return {"job": job, "learner": snap.get("learner", {}), "generators": snap.get("generators", []),
-            "generator_restarts": snap.get("generator_restarts", 0), "requests": snap["requests"],
-            "gate": snap["gate"], "queue": {"redis_url": redact_url(info["redis_url"]), "stream": cfg.queue.stream,
-                                            **queue}}
-
-
-def _print_status(s: dict[str, Any]) -> None:
-    learner = s["learner"]
-    print(f"job {s['job']}: learner step {learner.get('step', '?')} "
-          f"policy_version {learner.get('policy_version', '?')}  restarts: learner "
-          f"{learner.get('restarts', 0)}, generators {s['generator_restarts']}")
-    for g in s["generators"]:
-        print(f"  {g['generator_id']:>8}  node {g['node']}  pid {g['pid']}  "
-              f"policy_version {g['policy_version']}  produced {g['produced']}"
-              f"{'  ERROR' if g.get('error') else ''}")
-    for i, state in s.get("requests", {}).items():
-        print(f"  generator request {i}: {state}")
-    q = s["queue"]
-    print(f"queue {q['redis_url']} stream {q['stream']}: backlog+pending "
-          f"{q['left_in_queue']}, produced {q['produced']}, trained {q['trained']}, "
-          f"dead letters {q['dead_lettered']}")
+    queue = RedisExperienceQueue.from_config(cfg.queue, info["redis_url"], consumer="status")
+    return JobStatus(job, snap, redact_url(info["redis_url"]), cfg.queue.stream, queue.accounting())
 
 
 def add_stop_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,10 +96,7 @@ def add_generators_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_status(args: argparse.Namespace) -> int:
     s = status(args.job)
-    if args.json:
-        print(json.dumps(s, indent=2, default=str))
-    else:
-        _print_status(s)
+    print(json.dumps(s.to_json(), indent=2, default=str) if args.json else "\n".join(s.lines()))
     return 0
 
 

@@ -8,15 +8,17 @@ learner ranks and the generators together) and prints where the time went. The d
 calls one learner step at a time and, while it runs, watches the job each second: a dead
 generator is released from the gate and replaced (generator.max_restarts), a dead learner rank
 restarts every rank from the newest checkpoint (learner.max_restarts), a dead embedded
-redis-server is restarted; slots of groups gone untrained go back to the gate; requests from
-other drivers (`add-generators`, `stop`) are taken; a status snapshot is published. Every step
-writes a line to OUT/metrics.jsonl and TensorBoard; the end writes OUT/summary.json with the
-accounting of every group.
+redis-server is restarted and slots of groups gone untrained go back to the gate (both in
+launch/stream.py); requests from other drivers (`add-generators`, `stop`) are taken; a status
+snapshot is published. Every step writes a StepRecord (launch/metrics.py) to OUT/metrics.jsonl,
+TensorBoard and the console; the end writes OUT/summary.json, a JobSummary with the accounting
+of every group (async_rlhf/messages.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -26,14 +28,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import redis
-
-from async_rlhf.config import Config, redact_url
+from async_rlhf.config import Config
 from async_rlhf.launch.cli import add_config_arguments, config_from_args
-from async_rlhf.launch.metrics import MetricsLog
+from async_rlhf.launch.metrics import MetricsLog, StepRecord
+from async_rlhf.launch.stream import JobStream
+from async_rlhf.messages import GeneratorStats, JobSnapshot, JobSummary, LearnerStatus, StepMetrics
 from async_rlhf.procs import stop_on_signals
-from async_rlhf.protocols import QueueStats
-from buffer.redis_stream import RedisExperienceQueue, not_trained
 
 log = logging.getLogger("async_rlhf")
 
@@ -58,8 +58,7 @@ class Job:
         self.out = Path(cfg.out)
         self.generators: dict[str, Any] = {}  # generator id -> actor handle
         self.next_index = 0
-        self.gen_stats: dict[str, dict] = {}
-        self.forgotten = 0  # groups gone untrained whose gate slots were already returned
+        self.gen_stats: dict[str, GeneratorStats] = {}  # as of the last tick
         self.carried = 0  # samples in the stream when the job (re)started
         self.last_tick = 0.0
         self.starting: dict[str, tuple[Any, Any]] = {}  # generator id -> (handle, ready ref)
@@ -70,21 +69,21 @@ class Job:
         self.due_restarts: list[tuple[float, str]] = []  # (monotonic time, generator id)
         self.requested: dict[str, tuple[int, dict, float]] = {}  # gid -> (request, need, since)
         self.sync_failures = 0
-        self.last_metrics: dict[str, Any] = {}
+        self.last_metrics: StepMetrics | None = None
         self.error = ""
         self.start_time = time.time()
         self.ray = None  # set once connected; the parts below exist once they have started
         self.cluster = None  # the local Ray head, unless --ray-address
-        self.redis = None  # the embedded redis-server, unless queue.redis_url
-        self.redis_restarts = 0
-        self.left_in_queue = 0  # as of the last step
-        self.queue: RedisExperienceQueue | None = None
+        self.redis_url = ""
+        self.start_version = 0  # the learner's version when the job (re)started
+        self.coordinator = None
+        self.stream: JobStream | None = None
         self.learners: list[Any] = []
         self.evaluator = None  # the EvalWorker actor when eval.every > 0
         self.metrics: MetricsLog | None = None  # opened once the generators are up
         self.startup: dict[str, float] = {}  # phase -> seconds since the command started
         self.placement_line = ""  # what placement: auto chose, and why
-        self.summary: dict[str, Any] = {}  # summary.json: written at the end, then with shutdown_s
+        self.summary: JobSummary | None = None  # summary.json: written at the end, then with shutdown_s
 
     def _mark(self, phase: str) -> None:
         from async_rlhf.procs import process_age_s
@@ -120,14 +119,13 @@ class Job:
                 code = 1
             stopping = time.monotonic()
             self._finish()
-        self.summary["shutdown_s"] = round(time.monotonic() - stopping, 1)
+        self.summary = dataclasses.replace(self.summary, shutdown_s=round(time.monotonic() - stopping, 1))
         self._write_summary()
-        print(f"shut down in {self.summary['shutdown_s']:.1f} s (checkpoint, export, generators, "
-              "Ray, Redis)")
+        print(f"shut down in {self.summary.shutdown_s:.1f} s (checkpoint, export, generators, Ray, Redis)")
         return code
 
     def _write_summary(self) -> None:
-        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2, default=float))
+        (self.out / "summary.json").write_text(json.dumps(self.summary.to_json(), indent=2, default=float))
 
     def _start_services(self, stack: ExitStack) -> None:
         """The model directory, Redis (embedded unless queue.redis_url) and the experience
@@ -140,39 +138,18 @@ class Job:
         stack.callback(self._shutdown_ray)
         ensure_model(cfg.model.path, cfg.model.preset, seed=cfg.seed, tokenizer=cfg.model.tokenizer)
         self._mark("model")
-        if cfg.queue.redis_url:
-            self.redis_url = cfg.queue.redis_url
-        else:
-            self.redis = stack.enter_context(EmbeddedRedis(self.out / "redis", durable=cfg.queue.durable))
-            self.redis_url = self.redis.url
-        # the embedded server is ours to restart (_queue_stats): do not wait a minute for it
-        self.queue = RedisExperienceQueue.from_config(cfg.queue, self.redis_url, consumer="driver",
-                                                      retries=35 if self.redis is None else 3)
-        self._check_fresh_stream()
+        server = None  # the embedded redis-server, unless queue.redis_url
+        if not cfg.queue.redis_url:
+            server = stack.enter_context(EmbeddedRedis(self.out / "redis", durable=cfg.queue.durable))
+        self.redis_url = cfg.queue.redis_url or server.url
+        self.stream = JobStream(cfg, self.redis_url, server)
+        self.carried = self.stream.check_fresh(self.resume)
         self._mark("redis")
         if self.cluster is not None:
             self.cluster.wait_ready()
         self._connect_ray()
         self._mark("ray")
         stop_on_signals()  # after ray.init, which sets its own
-
-    def _check_fresh_stream(self) -> None:
-        """A new job must not train on (or count) another run's groups. A resumed one counts
-        what the stream still holds (`carried`, in samples) into its gate (see Coordinator)."""
-        stats = self.queue.stats()
-        produced = stats.counters.get("produced", 0)
-        if produced and not self.resume:
-            raise SystemExit(
-                f"the experience stream {self.cfg.queue.stream!r} at "
-                f"{redact_url(self.redis_url)} already holds {produced} groups from an "
-                "earlier run: pass --resume to continue it, or set queue.stream=<new name> "
-                "(or use a fresh --out with the embedded Redis)")
-        self.carried = self._samples_in(stats)
-        self.forgotten = not_trained(stats.counters)
-
-    def _samples_in(self, stats) -> int:
-        """Samples in the stream (backlog and pending): whole groups of generator.group_size."""
-        return (stats.backlog + stats.pending) * self.cfg.generator.group_size
 
     def _launch_head(self) -> None:
         """Start a local Ray head for this job, without waiting for it (none with --ray-address)."""
@@ -267,9 +244,7 @@ class Job:
         self._start_learners(resume=True)
         version = self._learners_ready()
         self.sync_failures = 0  # the new broadcaster counts its own
-        stats = self._queue_stats()
-        ray.get(self.coordinator.rebase.remote(version, self._samples_in(stats)))
-        self.forgotten = not_trained(stats.counters)
+        ray.get(self.coordinator.rebase.remote(version, self.stream.rebase()))
         self._new_epoch()
         print(f"learner restarted at version {version}", file=sys.stderr)
         return version
@@ -369,7 +344,7 @@ class Job:
             except ray.exceptions.RayActorError as e:  # a rank died (a task error still ends the job)
                 version = self._restart_learners(type(e).__name__)
                 continue
-            version = metrics["version"]
+            version = metrics.version
             reason = ray.get(self.coordinator.stop_requested.remote())
             self._record(metrics, time.perf_counter() - step_start,
                          last=bool(reason) or version >= cfg.learner.steps)
@@ -378,7 +353,7 @@ class Job:
                 break
         return 0
 
-    def _step(self) -> dict[str, Any]:
+    def _step(self) -> StepMetrics:
         """One learner step on every rank, watching the job each second while it runs."""
         ray = self.ray
         refs = [l.step.remote() for l in self.learners]
@@ -414,54 +389,21 @@ class Job:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
                 self._lose_generator(gid, f"{type(e).__name__}")
                 continue
-            if error := self.gen_stats[gid]["error"]:
+            if error := self.gen_stats[gid].error:
                 log.error("generator %s failed:\n%s", gid, error)
                 self._lose_generator(gid, error.strip().splitlines()[-1])
         if not self.generators:  # all being replaced: the learner's wait is not theirs to time out
             self.learners[0].keep_waiting.remote()
-        failures = self.last_metrics.get("weight_sync_failures", 0)
+        failures = self.last_metrics.weight_sync_failures if self.last_metrics else 0
         if set(self.generators) != members or failures > self.sync_failures:
             self.sync_failures = failures  # a group that did not form or broke: form a new one
             self._new_epoch()
         ray.get(self.coordinator.set_snapshot.remote(self._snapshot()))
 
-    def _queue_stats(self) -> QueueStats:
-        """The stream's stats; the job's own redis-server, found dead before or during the
-        call, is restarted first (our client gives up on it at once, the others ride it out)."""
-        if self.redis is not None and not self.redis.running:
-            self._restart_redis()
-        try:
-            return self.queue.stats()
-        except redis.ConnectionError:
-            if self.redis is None or self.redis.running:
-                raise
-            self._restart_redis()
-            return self.queue.stats()
-
     def _return_slots(self) -> None:
-        """Groups gone untrained since the last call (stale, malformed, dead-lettered) give
-        their gate slots back."""
-        stats = self._queue_stats()
-        self.left_in_queue = stats.backlog + stats.pending
-        gone = not_trained(stats.counters)
-        if gone > self.forgotten:
-            self.ray.get(self.coordinator.forget.remote((gone - self.forgotten) * self.cfg.generator.group_size))
-            self.forgotten = gone
-
-    def _restart_redis(self) -> None:
-        """The embedded redis-server died: start it again on its port and data directory. The
-        queue's clients retry meanwhile. With queue.durable its append-only file brings the
-        stream back, pending entries and counters included; without it they are gone, and the
-        job ends saying so (after the restart, so that the learner can still checkpoint)."""
-        self.redis_restarts += 1
-        self.redis.start()
-        if not self.cfg.queue.durable:
-            raise RuntimeError(
-                f"redis-server died and queue.durable is false: the experience stream, its "
-                f"counters and dead letters are gone ({self.left_in_queue} groups were in it at the "
-                "last step); set queue.durable=true to ride out a Redis restart")
-        print(f"redis-server died; restarted it on port {self.redis.port} from its append-only "
-              f"file (restart {self.redis_restarts})", file=sys.stderr)
+        """Groups gone untrained since the last call give their gate slots back."""
+        if gone := self.stream.newly_gone():
+            self.ray.get(self.coordinator.forget.remote(gone))
 
     def _lose_generator(self, gid: str, why: str) -> None:
         ray = self.ray
@@ -491,43 +433,28 @@ class Job:
             self.metrics.evaluation(e)
         return evals
 
-    def _record(self, m: dict[str, Any], step_s: float, last: bool = False) -> None:
-        ray = self.ray
+    def _record(self, m: StepMetrics, step_s: float, last: bool = False) -> None:
         if "first_step" not in self.startup:
             self._mark("first_step")
             print("start-up, seconds since the command: " + ", ".join(
                 f"{phase} {t:.1f}" for phase, t in self.startup.items()), flush=True)
         self.last_metrics = m
         self._return_slots()
-        if m["samples_fresh"] < m["samples"]:  # re-used samples push the fresh ones back
-            ray.get(self.coordinator.step_trained.remote(m["samples_fresh"]))
-        elapsed = time.time() - self.start_time
-        tokens_per_s = sum(s.get("tokens_per_s", 0.0) for s in self.gen_stats.values())
-        # generator totals since start (as of the last tick), summed over generators: `bench`
-        # takes differences over its timed window for idle fractions and generated tokens/s
-        gen_totals = {k: sum(s.get(k, 0.0) for s in self.gen_stats.values())
-                      for k in ("tokens", "produced", "generate_s", "score_s", "put_s", "idle_s",
-                                "weight_update_s")}
-        row = {
-            "step": m["version"], "policy_version": m["version"], "time": round(elapsed, 3),
-            "step_s": step_s, "samples_per_s": m["samples"] / step_s if step_s else 0.0,
-            "weight_sync_share": m.get("weight_sync_s", 0.0) / step_s if step_s else 0.0,
-            "gen_tokens_per_s": tokens_per_s, "gen_totals": gen_totals,
-            "generators": len(self.generators), **m,
-        }
-        if evals := self._evaluations(m["version"], last):
-            row["evals"] = evals
-        self.metrics.step(row)
+        if m.samples_fresh < m.samples:  # re-used samples push the fresh ones back
+            self.ray.get(self.coordinator.step_trained.remote(m.samples_fresh))
+        evals = self._evaluations(m.version, last)
+        self.metrics.step(StepRecord.of(m, time=time.time() - self.start_time, step_s=step_s,
+                                        gen_stats=self.gen_stats.values(), generators=len(self.generators),
+                                        evals=evals))
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _snapshot(self) -> JobSnapshot:
         m = self.last_metrics
-        version = m.get("version", self.start_version)
-        learner = {"step": version, "policy_version": version, "reward_mean": m.get("reward_mean"),
-                   "of_steps": self.cfg.learner.steps, "pid": self.learner_pid,
-                   "restarts": self.learner_restarts}
-        return {"generators": list(self.gen_stats.values()), "learner": learner,
-                "generator_restarts": self.restarts,
-                "out": str(self.out), "job": self.cfg.job}
+        version = m.version if m else self.start_version
+        learner = LearnerStatus(step=version, policy_version=version, reward_mean=m.reward_mean if m else None,
+                                of_steps=self.cfg.learner.steps, pid=self.learner_pid,
+                                restarts=self.learner_restarts)
+        return JobSnapshot(job=self.cfg.job, out=str(self.out), learner=learner,
+                           generators=tuple(self.gen_stats.values()), generator_restarts=self.restarts)
 
     # -- the end ---------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -546,22 +473,16 @@ class Job:
                 self.gen_stats[gid] = ray.get(handle.stop.remote(), timeout=120)
             except Exception as e:  # noqa: BLE001 - a dead generator must not block the summary
                 log.warning("stopping %s: %s", gid, e)
-        summary = self.summary = self.queue.accounting() if self.queue is not None else {}
-        summary["generators"] = list(self.gen_stats.values())
-        summary["wall_s"] = time.time() - self.start_time  # since the command, before Ray and Redis stop
-        summary["redis_restarts"] = self.redis_restarts
-        summary["startup"] = self.startup
-        summary["placement"] = self.placement_line or "manual"
-        if self.error:
-            summary["error"] = self.error
+        self.summary = JobSummary(
+            accounting=self.stream.queue.accounting() if self.stream is not None else None,
+            generators=tuple(self.gen_stats.values()),
+            wall_s=time.time() - self.start_time,  # since the command, before Ray and Redis stop
+            redis_restarts=self.stream.restarts if self.stream is not None else 0, startup=self.startup,
+            placement=self.placement_line or "manual", error=self.error)
         self._write_summary()
         if self.metrics is not None:
             self.metrics.close()
-        print("summary: " + ", ".join(f"{k}={summary[k]}" for k in ACCOUNTING if k in summary)
-              + (f"; error: {self.error.splitlines()[0]}" if self.error else ""))
-
-
-ACCOUNTING = ("produced", "foreign", "trained", "dropped_stale", "dead_lettered", "left_in_queue", "lost")
+        print(self.summary.line())
 
 
 def _gpu_count() -> int:

@@ -4,9 +4,77 @@ TensorBoard at the version they evaluated, and a console line each."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from async_rlhf.messages import GeneratorStats, GeneratorTotals, StepMetrics
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """A row of OUT/metrics.jsonl: the learner's step metrics and the job's view of that step.
+    `time`: seconds from the command's start to the step's end; `step_s`: the step's seconds as
+    the launcher saw them; gen_*: the generators' stats as of the last tick (gen_totals since
+    they started, summed over generators); `generators`: how many are alive; `evals`: held-out
+    evaluations finished since the last step (actors.evaluate: open-ended eval_* keys)."""
+
+    metrics: StepMetrics
+    time: float
+    step_s: float
+    gen_tokens_per_s: float
+    gen_totals: GeneratorTotals
+    generators: int
+    evals: tuple[Mapping[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, m: StepMetrics, *, time: float, step_s: float, gen_stats: Iterable[GeneratorStats],
+           generators: int, evals: Iterable[Mapping[str, Any]] = ()) -> StepRecord:
+        gen_stats = list(gen_stats)
+        return cls(m, time=round(time, 3), step_s=step_s,
+                   gen_tokens_per_s=sum(s.tokens_per_s for s in gen_stats),
+                   gen_totals=GeneratorTotals.of(gen_stats), generators=generators, evals=tuple(evals))
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.metrics.samples / self.step_s if self.step_s else 0.0
+
+    @property
+    def weight_sync_share(self) -> float:
+        return self.metrics.weight_sync_s / self.step_s if self.step_s else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        v = self.metrics.version
+        row = {"step": v, "policy_version": v, "time": self.time, "step_s": self.step_s,
+               "samples_per_s": self.samples_per_s, "weight_sync_share": self.weight_sync_share,
+               "gen_tokens_per_s": self.gen_tokens_per_s, "gen_totals": dataclasses.asdict(self.gen_totals),
+               "generators": self.generators, **self.metrics.to_json()}
+        if self.evals:
+            row["evals"] = [dict(e) for e in self.evals]
+        return row
+
+    @classmethod
+    def from_json(cls, row: Mapping[str, Any]) -> StepRecord:
+        job = ("step", "policy_version", "time", "step_s", "samples_per_s", "weight_sync_share",
+               "gen_tokens_per_s", "gen_totals", "generators", "evals")
+        return cls(StepMetrics.from_json({k: v for k, v in row.items() if k not in job}),
+                   time=row["time"], step_s=row["step_s"], gen_tokens_per_s=row["gen_tokens_per_s"],
+                   gen_totals=GeneratorTotals(**row["gen_totals"]), generators=row["generators"],
+                   evals=tuple(row.get("evals", ())))
+
+    def scalars(self) -> dict[str, float]:
+        """TensorBoard's tags and values: the row's numbers."""
+        return {k: v for k, v in self.to_json().items() if isinstance(v, (int, float))}
+
+    def console_line(self, steps: int) -> str:
+        m = self.metrics
+        return (f"step {m.version:>4}/{steps}  reward {m.reward_mean:.3f}  loss {m.loss:+.4f}  "
+                f"staleness max {m.staleness_max} mean {m.staleness_mean:.2f}  "
+                f"{self.samples_per_s:.1f} samples/s  sync {m.weight_sync_s * 1000:.0f} ms  "
+                f"gens {self.generators}  t {self.time:.0f}s")
 
 
 class MetricsLog:
@@ -17,19 +85,14 @@ class MetricsLog:
         self.tb = SummaryWriter(str(out / "tensorboard"))
         self.jsonl = (out / "metrics.jsonl").open("a")  # a resumed job appends
 
-    def step(self, row: dict[str, Any]) -> None:
-        self.jsonl.write(json.dumps(row, default=float) + "\n")
+    def step(self, record: StepRecord) -> None:
+        self.jsonl.write(json.dumps(record.to_json(), default=float) + "\n")
         self.jsonl.flush()
-        for key, value in row.items():
-            if isinstance(value, (int, float)):
-                self.tb.add_scalar(key, value, row["policy_version"])
-        print(f"step {row['step']:>4}/{self.steps}  reward {row['reward_mean']:.3f}  "
-              f"loss {row.get('loss', float('nan')):+.4f}  staleness max {row['staleness_max']} "
-              f"mean {row['staleness_mean']:.2f}  {row['samples_per_s']:.1f} samples/s  "
-              f"sync {row.get('weight_sync_s', 0.0) * 1000:.0f} ms  gens {row['generators']}  "
-              f"t {row['time']:.0f}s", flush=True)
+        for key, value in record.scalars().items():
+            self.tb.add_scalar(key, value, record.metrics.version)
+        print(record.console_line(self.steps), flush=True)
 
-    def evaluation(self, e: dict[str, Any]) -> None:
+    def evaluation(self, e: Mapping[str, Any]) -> None:
         for key, value in e.items():
             if key.startswith("eval_"):
                 self.tb.add_scalar(key, value, e["policy_version"])

@@ -12,6 +12,7 @@ Part of the wiring (async_rlhf.launch), the one layer that imports actors/, lear
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import socket
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rlhf.config import Config
+from async_rlhf.messages import CoordinatorSnapshot, GeneratorStats, JobSnapshot, StepMetrics
 from async_rlhf.staleness import StalenessGate, lagged_version
 from async_rlhf.weight_sync import SyncAddress, WeightBroadcaster, WeightReceiver, WeightUpdate
 
@@ -46,7 +48,7 @@ class Coordinator:
         self.requests: list[dict[str, Any]] = []  # add-generators requests not yet taken
         self.placements: dict[int, str] = {}  # request id -> what became of it
         self.stop_reason = ""
-        self.snapshot: dict[str, Any] = {}
+        self.snapshot: JobSnapshot | None = None  # the launcher's, each second
 
     def try_admit(self, generator_id: str, n: int, version: int) -> bool:
         if not self.gate.try_admit(n, version):  # also after a stop request: a learner step
@@ -100,13 +102,13 @@ class Coordinator:
     def stop_requested(self) -> str:
         return self.stop_reason
 
-    def set_snapshot(self, snapshot: dict[str, Any]) -> None:
+    def set_snapshot(self, snapshot: JobSnapshot) -> None:
         self.snapshot = snapshot
 
-    def get_snapshot(self) -> dict[str, Any]:
-        return {**self.snapshot, "gate": {"accepted": self.gate.accepted, "running": self.gate.running},
-                "requests": {i: state for i, state in self.placements.items()
-                             if not state.startswith(SETTLED)}}
+    def get_snapshot(self) -> CoordinatorSnapshot:
+        return CoordinatorSnapshot(self.snapshot, self.gate.accepted, self.gate.running,
+                                   {i: state for i, state in self.placements.items()
+                                    if not state.startswith(SETTLED)})
 
 
 class _CoordinatorGate:
@@ -193,14 +195,14 @@ class GeneratorWorker:
             if update is not None:  # blocks until the engine loop's safe point: the next step
                 self.generator.apply_weights(update.named_tensors, update.version)  # or an empty engine
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> GeneratorStats:
         import ray
 
-        return {**self.generator.stats(), "node": socket.gethostname(), "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id(),
-                "weight_receive_s": self.last_receive_s, "error": self.error}
+        return dataclasses.replace(self.generator.stats(), node=socket.gethostname(), pid=os.getpid(),
+                                   node_id=ray.get_runtime_context().get_node_id(),
+                                   weight_receive_s=self.last_receive_s, error=self.error)
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self) -> GeneratorStats:
         self.stop_event.set()
         with self._update_ready:
             self._update_ready.notify_all()
@@ -355,13 +357,13 @@ class LearnerWorker:
         """Called while a step may be running (a threaded actor): touches only the broadcaster."""
         return self.broadcaster.open_epoch(world_size)
 
-    def step(self) -> dict[str, Any]:
+    def step(self) -> StepMetrics:
         with self._busy:
             metrics = self.learner.step()
         if self.broadcaster is not None:
-            metrics.update(weight_sync_s=self.broadcaster.last_publish_s,
-                           weight_sync_bytes=self.broadcaster.last_publish_bytes,
-                           weight_sync_failures=self.broadcaster.failures)
+            metrics = dataclasses.replace(metrics, weight_sync_s=self.broadcaster.last_publish_s,
+                                          weight_sync_bytes=self.broadcaster.last_publish_bytes,
+                                          weight_sync_failures=self.broadcaster.failures)
         return metrics
 
     def finish(self) -> str:

@@ -43,6 +43,8 @@ from typing import Any
 
 from async_rlhf.launch.bench_report import save
 from async_rlhf.launch.cli import int_list
+from async_rlhf.launch.metrics import StepRecord
+from async_rlhf.messages import JobSummary
 from async_rlhf.procs import run_child, stop_on_signals
 
 SYNC = "synchronous"  # the k = 0 cell, the baseline of every loss
@@ -104,18 +106,20 @@ def run_one(args: argparse.Namespace, run: dict[str, Any], out: Path, steps: int
 
 def summarise_run(run_dir: Path, batch_size: int) -> dict[str, Any]:
     """One run's held-out curve and realised staleness, from its metrics.jsonl."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = sorted((e for r in rows for e in r.get("evals", [])), key=lambda e: e["policy_version"])
+    rows = [StepRecord.from_json(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = sorted((e for r in rows for e in r.evals), key=lambda e: e["policy_version"])
     hist: Counter[int] = Counter()
     for r in rows:
-        hist.update({int(k): v for k, v in r["staleness_hist"].items()})
-    summary = json.loads((run_dir / "summary.json").read_text())
+        hist.update(r.metrics.staleness_hist)
+    summary = JobSummary.from_json(json.loads((run_dir / "summary.json").read_text()))
+    acc = summary.accounting
     return {
         "curve": [{"version": e["policy_version"], "samples": e["policy_version"] * batch_size,
                    "eval_reward": e["eval_reward"]} for e in evals],
         "staleness_hist": dict(sorted(hist.items())),
-        "steps": len(rows), "lost": summary.get("lost"), "dropped_stale": summary.get("dropped_stale"),
-        "startup_first_step_s": summary.get("startup", {}).get("first_step"),
+        "steps": len(rows), "lost": acc.lost if acc else None,
+        "dropped_stale": acc.dropped_stale if acc else None,
+        "startup_first_step_s": summary.startup.get("first_step"),
     }
 
 

@@ -1,0 +1,85 @@
+"""The launcher's side of the experience stream: its counters read for the staleness gate
+(groups gone untrained give their gate slots back; a (re)started learner rebases the gate on
+what the stream holds), and the job's own redis-server, restarted when it dies."""
+
+from __future__ import annotations
+
+import sys
+
+import redis
+
+from async_rlhf.config import Config, redact_url
+from async_rlhf.messages import not_trained
+from async_rlhf.protocols import QueueStats
+from buffer.redis_server import EmbeddedRedis
+from buffer.redis_stream import RedisExperienceQueue
+
+
+class JobStream:
+    """`server`: the embedded redis-server at `url`, or None for queue.redis_url (not ours to
+    restart). Counts are of groups unless named samples."""
+
+    def __init__(self, cfg: Config, url: str, server: EmbeddedRedis | None):
+        self.cfg, self.url, self.server = cfg, url, server
+        # the embedded server is ours to restart (stats): do not wait a minute for it
+        self.queue = RedisExperienceQueue.from_config(cfg.queue, url, consumer="driver",
+                                                      retries=35 if server is None else 3)
+        self.forgotten = 0  # groups gone untrained whose gate slots were already returned
+        self.left_in_queue = 0  # as of the last read
+        self.restarts = 0  # of the redis-server
+
+    def check_fresh(self, resume: bool) -> int:
+        """A new job must not train on (or count) another run's groups. Returns the samples
+        the stream holds, which a resumed job counts into its gate (see Coordinator)."""
+        stats = self.queue.stats()
+        produced = stats.counters.get("produced", 0)
+        if produced and not resume:
+            raise SystemExit(
+                f"the experience stream {self.cfg.queue.stream!r} at {redact_url(self.url)} already "
+                f"holds {produced} groups from an earlier run: pass --resume to continue it, or set "
+                "queue.stream=<new name> (or use a fresh --out with the embedded Redis)")
+        return self.rebase(stats)
+
+    def rebase(self, stats: QueueStats | None = None) -> int:
+        """Count what is gone untrained as accounted for; returns the samples in the stream
+        (backlog and pending: whole groups of generator.group_size)."""
+        stats = self.stats() if stats is None else stats
+        self.forgotten = not_trained(stats.counters)
+        return (stats.backlog + stats.pending) * self.cfg.generator.group_size
+
+    def newly_gone(self) -> int:
+        """Samples of the groups gone untrained (stale, malformed, dead-lettered) since the last
+        call: their gate slots go back."""
+        stats = self.stats()
+        self.left_in_queue = stats.backlog + stats.pending
+        gone, before = not_trained(stats.counters), self.forgotten
+        self.forgotten = max(gone, before)
+        return max(gone - before, 0) * self.cfg.generator.group_size
+
+    def stats(self) -> QueueStats:
+        """The stream's stats; the job's own redis-server, found dead before or during the
+        call, is restarted first (our client gives up on it at once, the others ride it out)."""
+        if self.server is not None and not self.server.running:
+            self._restart_server()
+        try:
+            return self.queue.stats()
+        except redis.ConnectionError:
+            if self.server is None or self.server.running:
+                raise
+            self._restart_server()
+            return self.queue.stats()
+
+    def _restart_server(self) -> None:
+        """The embedded redis-server died: start it again on its port and data directory. The
+        queue's clients retry meanwhile. With queue.durable its append-only file brings the
+        stream back, pending entries and counters included; without it they are gone, and the
+        job ends saying so (after the restart, so that the learner can still checkpoint)."""
+        self.restarts += 1
+        self.server.start()
+        if not self.cfg.queue.durable:
+            raise RuntimeError(
+                f"redis-server died and queue.durable is false: the experience stream, its "
+                f"counters and dead letters are gone ({self.left_in_queue} groups were in it at the "
+                "last step); set queue.durable=true to ride out a Redis restart")
+        print(f"redis-server died; restarted it on port {self.server.port} from its append-only "
+              f"file (restart {self.restarts})", file=sys.stderr)

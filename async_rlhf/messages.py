@@ -1,0 +1,314 @@
+"""What the parts report, one frozen dataclass per message: a learner step's metrics, a
+generator's stats, the running job's snapshot (`async-rlhf status`) and the job's summary with
+the accounting of every group. They cross Ray as they are (pickled); on disk they are flat JSON
+(`to_json` / `from_json`): OUT/metrics.jsonl rows, OUT/summary.json, `status --json`, whose
+keys (and TensorBoard's tags) stay what users' dashboards read. Readers use the fields, so a
+renamed one fails where it is read, in the fast tests (tests/test_messages.py), not at the end
+of a long run. An `extra` or counter mapping holds what is open-ended (stats that only some
+configs have, counts by reason).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds one learner step spent in each phase (time_<phase> in metrics.jsonl)."""
+
+    wait: float  # for a batch from the stream (rank 0), then its broadcast to the ranks
+    recompute: float  # pi_prox, reference log-probs, critic values
+    forward: float
+    backward: float
+    step: float  # optimizer steps
+    weight_gather: float
+    publish: float
+    checkpoint: float = 0.0  # 0 on steps without a checkpoint
+
+    @classmethod
+    def total(cls, times: Iterable[StepTimes]) -> StepTimes:
+        """Each phase's seconds summed over steps."""
+        times = list(times)
+        return cls(**{f.name: sum(getattr(t, f.name) for t in times) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One learner step (one policy version), as Learner.step returns it; loss stats are
+    averaged over the step's optimizer steps, samples and tokens are the batch's. `extra`: loss
+    stats only some configs have (kl with a reference model; value_loss and value_clip_frac
+    with a critic). `counts`: the learner's counters since it started (count_<name>: samples,
+    tokens, groups, dropped_stale, rejected_<reason>, ...). weight_sync_*: rank 0's broadcast
+    of the previous step's weights (0 without a broadcaster)."""
+
+    version: int
+    loss: float
+    loss_policy: float
+    entropy: float
+    clip_frac: float
+    ratio_mean: float
+    bw_mean: float  # behaviour correction weight pi_prox / pi_behaviour
+    bw_capped_frac: float
+    bw_max: float
+    grad_norm: float  # NaN when every optimizer step was skipped
+    skipped_nonfinite: int  # optimizer steps skipped for a non-finite loss or gradient
+    samples: int
+    samples_fresh: int  # first use; the rest were re-used from the replay buffer
+    tokens: int
+    reward_mean: float
+    groups: int
+    group_size_min: int
+    groups_singleton: int  # zero advantage under grpo/rloo
+    staleness_max: int
+    staleness_mean: float
+    staleness_hist: Mapping[int, int]  # versions old -> samples
+    staleness_token_mean: float  # per response token, by the weights that sampled it
+    reward_by_version: Mapping[int, tuple[int, float]]  # generating version -> (samples, mean reward)
+    trained_by_generator: Mapping[str, int]  # generator id -> samples
+    times: StepTimes
+    counts: Mapping[str, int]
+    weight_sync_s: float = 0.0
+    weight_sync_bytes: int = 0
+    weight_sync_failures: int = 0
+    extra: Mapping[str, float] = field(default_factory=dict)
+
+    _NESTED = ("times", "counts", "extra")
+
+    def to_json(self) -> dict[str, Any]:
+        """The flat row: fields, then extra, time_<phase> and count_<name>."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self._NESTED}
+        out["staleness_hist"] = dict(self.staleness_hist)
+        out["reward_by_version"] = {v: list(nr) for v, nr in self.reward_by_version.items()}
+        out["trained_by_generator"] = dict(self.trained_by_generator)
+        return {**out, **self.extra, **{f"time_{k}": v for k, v in dataclasses.asdict(self.times).items()},
+                **{f"count_{k}": v for k, v in self.counts.items()}}
+
+    @classmethod
+    def from_json(cls, row: Mapping[str, Any]) -> StepMetrics:
+        """A row of to_json (JSON's string keys back to versions); keys that are no field go to
+        extra, and a missing field raises TypeError."""
+        names = {f.name for f in dataclasses.fields(cls)} - set(cls._NESTED)
+        times = {k[5:]: v for k, v in row.items() if k.startswith("time_")}
+        counts = {k[6:]: v for k, v in row.items() if k.startswith("count_")}
+        extra = {k: v for k, v in row.items()
+                 if k not in names and not k.startswith(("time_", "count_"))}
+        own = {k: v for k, v in row.items() if k in names}
+        own["staleness_hist"] = {int(k): v for k, v in row["staleness_hist"].items()}
+        own["reward_by_version"] = {int(k): (int(n), float(m)) for k, (n, m) in row["reward_by_version"].items()}
+        return cls(**own, times=StepTimes(**times), counts=counts, extra=extra)
+
+
+@dataclass(frozen=True)
+class GeneratorStats:
+    """A generator's counters and seconds since it started (actors.generator.Generator.stats).
+    `produced` and `tokens` count samples put on the queue, `groups` the groups they came in
+    (one stream entry each); `set_aside` counts groups set aside, by reason. Engine loop time is
+    generate_s (steps) + idle_s (nothing to run) + weight_update_s; score_s and put_s overlap it
+    (the scorer thread). mean_inflight: sequences in the engine, averaged over the steps' time;
+    inflight_updates: weight updates that sequences in flight went on with. node, pid, node_id,
+    weight_receive_s and error are the Ray actor's (empty outside one)."""
+
+    generator_id: str
+    policy_version: int
+    schedule: str
+    update_mode: str
+    prompt_start: int
+    prompt_position: int
+    produced: int
+    groups: int
+    tokens: int
+    steps: int
+    aborted: int
+    set_aside: Mapping[str, int]
+    set_aside_total: int
+    dead_letter_errors: int
+    weight_updates: int
+    inflight_updates: int
+    run_s: float
+    generate_s: float
+    score_s: float
+    put_s: float
+    idle_s: float
+    weight_update_s: float  # loading only
+    weight_wait_s: float  # waiting for the safe point
+    mean_inflight: float
+    tokens_per_s: float
+    last_mean_reward: float
+    node: str = ""
+    pid: int = 0
+    node_id: str = ""
+    weight_receive_s: float = 0.0
+    error: str = ""  # the traceback that ended its loop, if one did
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> GeneratorStats:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class GeneratorTotals:
+    """Generator counters summed over generators (metrics.jsonl's gen_totals): `bench` takes
+    differences over its timed window for idle fractions and generated tokens/s."""
+
+    tokens: float = 0.0
+    produced: float = 0.0
+    generate_s: float = 0.0
+    score_s: float = 0.0
+    put_s: float = 0.0
+    idle_s: float = 0.0
+    weight_update_s: float = 0.0
+
+    @classmethod
+    def of(cls, stats: Iterable[GeneratorStats]) -> GeneratorTotals:
+        stats = list(stats)
+        return cls(**{f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(cls)})
+
+    def minus(self, earlier: GeneratorTotals) -> GeneratorTotals:
+        return GeneratorTotals(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                                  for f in dataclasses.fields(self)})
+
+    @property
+    def engine_loop_s(self) -> float:
+        """The generators' engine loop time: steps, idle and weight loads."""
+        return self.generate_s + self.idle_s + self.weight_update_s
+
+
+# -- the experience stream's accounting -------------------------------------------------------
+# counters that record events rather than where an entry went
+_EVENTS = ("produced", "foreign", "reclaimed", "ack_lost", "set_aside")
+
+
+def not_trained(counters: Mapping[str, int]) -> int:
+    """Entries gone without training (stale, malformed, dead-lettered...), from the stream's
+    shared counters (buffer.redis_stream)."""
+    return sum(v for k, v in counters.items() if not k.startswith(_EVENTS) and k != "trained")
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """Where every stream entry (group, of generator.group_size samples) went: produced (by
+    our producers) plus foreign (written by anyone else, counted at first delivery, and those
+    still undelivered) = trained + dropped_stale + dead_lettered + acked_other (other ack
+    reasons) + left_in_queue; `lost` is what that leaves over, 0 unless something is wrong.
+    `set_aside` (set_aside:<reason>) counts groups the generators set aside before producing
+    them. `counters`: the stream's shared counters as they are."""
+
+    produced: int
+    foreign: int
+    trained: int
+    dropped_stale: int
+    dead_lettered: int
+    acked_other: Mapping[str, int]
+    left_in_queue: int
+    set_aside: Mapping[str, int]
+    counters: Mapping[str, int]
+
+    LINE = ("produced", "foreign", "trained", "dropped_stale", "dead_lettered", "left_in_queue", "lost")
+
+    @classmethod
+    def from_counters(cls, counters: Mapping[str, int], left_in_queue: int, foreign_backlog: int) -> Accounting:
+        outcomes = {k: v for k, v in counters.items() if not k.startswith(_EVENTS)}
+        return cls(
+            produced=counters.get("produced", 0),
+            foreign=counters.get("foreign", 0) + foreign_backlog,
+            trained=outcomes.pop("trained", 0),
+            dropped_stale=outcomes.pop("dropped_stale", 0),
+            dead_lettered=outcomes.pop("dead_lettered", 0),
+            acked_other=outcomes,
+            left_in_queue=left_in_queue,
+            set_aside={k: v for k, v in counters.items() if k.startswith("set_aside:")},
+            counters=dict(counters),
+        )
+
+    @property
+    def lost(self) -> int:
+        return (self.produced + self.foreign - self.trained - self.dropped_stale - self.dead_lettered
+                - sum(self.acked_other.values()) - self.left_in_queue)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"unit": "groups", **dataclasses.asdict(self), "lost": self.lost}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Accounting:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """OUT/summary.json: the accounting (None when the job ended before its stream existed),
+    each generator's final stats, seconds from the command to the end (wall_s, before Ray and
+    Redis stop) and of its start-up phases, what placement: auto chose ("manual" otherwise), the
+    error that ended the job (if one did), and the shutdown's seconds once it is done."""
+
+    accounting: Accounting | None
+    generators: tuple[GeneratorStats, ...]
+    wall_s: float
+    redis_restarts: int
+    startup: Mapping[str, float]  # phase -> seconds since the command started
+    placement: str
+    error: str = ""
+    shutdown_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {**(self.accounting.to_json() if self.accounting else {}),
+               "generators": [g.to_json() for g in self.generators], "wall_s": self.wall_s,
+               "redis_restarts": self.redis_restarts, "startup": dict(self.startup), "placement": self.placement}
+        if self.error:
+            out["error"] = self.error
+        if self.shutdown_s is not None:
+            out["shutdown_s"] = self.shutdown_s
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> JobSummary:
+        return cls(accounting=Accounting.from_json(d) if "produced" in d else None,
+                   generators=tuple(GeneratorStats.from_json(g) for g in d["generators"]),
+                   wall_s=d["wall_s"], redis_restarts=d["redis_restarts"], startup=d["startup"],
+                   placement=d["placement"], error=d.get("error", ""), shutdown_s=d.get("shutdown_s"))
+
+    def line(self) -> str:
+        """The console's last word: summary: produced=..., ..., lost=... (; error: ...)."""
+        acc = self.accounting
+        counts = ", ".join(f"{k}={getattr(acc, k)}" for k in Accounting.LINE) if acc else ""
+        return f"summary: {counts}" + (f"; error: {self.error.splitlines()[0]}" if self.error else "")
+
+
+# -- the running job, for `async-rlhf status` --------------------------------------------------
+@dataclass(frozen=True)
+class LearnerStatus:
+    step: int
+    policy_version: int
+    reward_mean: float | None  # None before the first step
+    of_steps: int  # learner.steps
+    pid: int
+    restarts: int
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    """What the launcher publishes to the job's coordinator each second."""
+
+    job: str
+    out: str
+    learner: LearnerStatus
+    generators: tuple[GeneratorStats, ...]
+    generator_restarts: int
+
+
+@dataclass(frozen=True)
+class CoordinatorSnapshot:
+    """What the coordinator answers `status` with: the launcher's latest JobSnapshot (None
+    before its first), the staleness gate's counts (samples) and the add-generators requests
+    not yet settled (request id -> state)."""
+
+    job: JobSnapshot | None
+    gate_accepted: int
+    gate_running: int
+    requests: Mapping[int, str]
