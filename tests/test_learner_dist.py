@@ -165,7 +165,7 @@ def _worker(spec: dict) -> None:
             torch.save(initial, out / "initial.pt")
             torch.save(weights, out / "weights.pt")
             keep = ("loss", "loss_policy", "entropy", "grad_norm", "bw_mean", "tokens")
-            (out / "metrics.json").write_text(json.dumps([{k: m[k] for k in keep} for m in history]))
+            (out / "metrics.json").write_text(json.dumps([{k: getattr(m, k) for k in keep} for m in history]))
     elif mode == "crash":
         learner.train(steps=3)
         (out / "crash.json").write_text(json.dumps({"version": learner.version,
