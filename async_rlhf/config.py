@@ -156,6 +156,10 @@ class GeneratorConfig(_Section):
     temperature: float = 1.0
     top_p: float = 1.0
     threads: int = 1
+    # CPU scheduling priority (a nice increment, 0-19) of the generator processes. Where they
+    # share cores with the learner, a positive value lets the learner's threads run first and
+    # the generators take the cycles the learner leaves idle (placement: auto sets 19 on CPU).
+    nice: int = 0
     tensor_parallel: int = 1  # GPU only
     max_restarts: int = 10  # a generator that dies is replaced, after 1, 2, 4 ... 30 s, this often
     # Load the weights of version V - weight_lag when version V arrives (0: the newest), so that
@@ -166,6 +170,7 @@ class GeneratorConfig(_Section):
     def _validate(self) -> None:
         _check(self.max_restarts >= 0, "generator.max_restarts", self.max_restarts, ">= 0")
         _check(self.weight_lag >= 0, "generator.weight_lag", self.weight_lag, ">= 0")
+        _check(0 <= self.nice <= 19, "generator.nice", self.nice, "from 0 (normal priority) to 19 (lowest)")
         self._positive("count", "group_size", "max_new_tokens", "threads")
         self._positive("temperature", "tensor_parallel")
         _check(all(self.stop), "generator.stop", list(self.stop),

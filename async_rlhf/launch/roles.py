@@ -139,6 +139,7 @@ class GeneratorWorker:
         from actors.generator import make_generator
         from buffer.redis_stream import RedisExperienceQueue
 
+        os.nice(cfg.generator.nice)  # before any thread starts: Linux sets it per thread, new ones inherit
         self.generator_id = f"gen-{index}"
         queue = RedisExperienceQueue.from_config(cfg.queue, redis_url, consumer=self.generator_id)
         gate = _CoordinatorGate(coordinator, self.generator_id, lambda: self.generator.engine.policy_version)
