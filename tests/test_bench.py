@@ -97,7 +97,7 @@ def test_bench_modes_are_generator_settings(tmp_path: Path):
     """--modes runs each dedicated setting once per generator mode, with that mode's config."""
     import argparse
 
-    from async_rlhf.launch.bench import MODES, add_arguments, settings
+    from async_rlhf.launch.bench.jobs import MODES, add_arguments, settings
     from async_rlhf.config import Config, GeneratorConfig
 
     parser = argparse.ArgumentParser()

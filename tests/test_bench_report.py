@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from async_rlhf.launch.bench_report import baseline, smoothed, time_to_reward, verdicts
+from async_rlhf.launch.bench.report import baseline, smoothed, time_to_reward, verdicts
 
 
 def _curve(points):

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from async_rlhf.launch.bench_report import save
+from async_rlhf.launch.bench.report import save
 from async_rlhf.launch.cli import int_list
 from async_rlhf.procs import run_child, stop_on_signals
 

@@ -46,7 +46,7 @@ class NullPublisher:
 def bench_one(args: argparse.Namespace, zero_stage: int) -> dict:
     from async_rlhf.config import LearnerConfig
     from async_rlhf.synthetic import CHAR_VOCAB_SIZE, build_model, random_groups
-    from learners.bench_feed import OnceReplay, PreloadedQueue
+    from async_rlhf.launch.bench.feed import OnceReplay, PreloadedQueue
     from learners.deepspeed_backend import DeepSpeedBackend
     from learners.learner import Learner
 

@@ -1,6 +1,6 @@
 """`async-rlhf bench`'s report: each job's rates over its timed window (from metrics.jsonl and
 summary.json), the verdicts against the issue's targets, bench.md and bench.png. See
-async_rlhf/launch/bench.py for what is measured."""
+async_rlhf/launch/bench/jobs.py for what is measured."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ histogram, reward at the end (batch mean over the last quarter of steps), the po
 mean reward of the samples each policy version generated, against the samples trained to make
 that version and the time it was made) and the fraction of min(bound_gen, bound_train) reached;
 and seconds from the command's start (the train process's) to the first learner step, to policy
-rewards 0.5, 0.8 and 0.9 on the policy curve (smoothed: bench_report.smoothed) and to the
+rewards 0.5, 0.8 and 0.9 on the policy curve (smoothed: report.smoothed) and to the
 command's exit, with the job's start-up breakdown and shutdown time (its summary.json).
 "The baseline" is the strongest synchronous setting (the k = 0 run with the most samples/s);
 the verdicts are ratios against it. Reward per sample compares policy curves over the versions
@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from async_rlhf.launch.bench_report import plot, save, summarise, verdicts, write_markdown
+from async_rlhf.launch.bench.report import plot, save, summarise, verdicts, write_markdown
 from async_rlhf.launch.cli import int_list
 from async_rlhf.procs import run_child
 
@@ -140,7 +140,7 @@ def _bound_engine(cfg, groups: int) -> dict[str, Any]:
     """The engine alone at generator.max_inflight sequences, on the config's prompts."""
     from transformers import AutoTokenizer
 
-    from actors.bench import continuous_rate
+    from async_rlhf.launch.bench.gen import continuous_rate
     from actors.engines import make_engine
     from actors.prompts import make_prompt_stream
 
@@ -160,7 +160,7 @@ def _bound_train(cfg, redis_url: str, warmup: int, steps: int) -> dict[str, Any]
 
     from buffer.redis_stream import RedisExperienceQueue
     from buffer.replay import StalenessReplay
-    from learners.bench import NullPublisher
+    from async_rlhf.launch.bench.learner import NullPublisher
     from learners.backends import make_backend
     from learners.learner import Learner
 
