@@ -6,16 +6,23 @@ compute; `bench-queue` measures the stream), warms up, then times steps: trained
 response tokens/s, and the share of each step spent waiting, recomputing pi_prox, in the train
 forward, backward, optimizer step and the full-weight gather for the weight sync. Several ZeRO
 stages can be compared in one run. Writes JSON + PNG.
+
+The data feed: groups held in memory, handed to the learner through the ExperienceQueue and
+ReplayBuffer protocols without Redis (tests use the real Redis stream and replay buffer).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from async_rlhf.launch.bench.harness import figure, save, warm_then_time
+from async_rlhf.protocols import QueueStats, ReplayDraw
 from async_rlhf.synthetic import PRESETS
+from async_rlhf.types import Group, Received, TrajectoryError
 
 PHASES = ("wait", "recompute", "forward", "backward", "step", "weight_gather", "publish")
 
@@ -43,10 +50,79 @@ class NullPublisher:
             pass
 
 
-def bench_one(args: argparse.Namespace, zero_stage: int) -> dict:
+class PreloadedQueue:
+    """ExperienceQueue over groups put in memory. The learner is its one consumer, so every
+    entry it gets stays its own (renew keeps all); acks just count."""
+
+    def __init__(self) -> None:
+        self._entries: collections.deque[Received] = collections.deque()
+        self._next = 0
+        self.acked: collections.Counter[str] = collections.Counter()  # reason -> groups
+
+    def put(self, groups: Sequence[Group], timeout_s: float | None = None) -> None:
+        for g in groups:
+            self._entries.append(Received(f"{self._next}-0", g))
+            self._next += 1
+
+    def get(self, count: int, block_ms: int = 1000) -> list[Received]:
+        return [self._entries.popleft() for _ in range(min(count, len(self._entries)))]
+
+    def ack(self, entry_ids: Sequence[str], reason: str = "trained") -> None:
+        self.acked[reason] += len(entry_ids)
+
+    def renew(self, entry_ids: Sequence[str]) -> list[str]:
+        return list(entry_ids)
+
+    def reject(self, rejected: Sequence[tuple[Received, TrajectoryError]]) -> None:
+        raise RuntimeError(f"bench-learner data was rejected: {rejected[0][1]}")
+
+    def dead_letter(self, reason: str, detail: str, payload: bytes = b"") -> None:
+        raise RuntimeError(f"bench-learner data was set aside ({reason}: {detail})")
+
+    def stats(self) -> QueueStats:
+        return QueueStats(len(self._entries), 0, 0, dict(self.acked))
+
+
+class OnceReplay:
+    """ReplayBuffer that hands out each group once, in arrival order, with no staleness logic
+    (the bench stamps every group with the version that trains it)."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[Received] = collections.deque()
+
+    def add(self, items: Sequence[Received]) -> None:
+        self._items.extend(items)
+
+    def draw(self, count: int, version: int) -> ReplayDraw:
+        items = [self._items.popleft() for _ in range(min(count, len(self._items)))]
+        return ReplayDraw(items=items, first_use=[r.entry_id for r in items], dropped=[])
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@dataclass(frozen=True)
+class StageResult:
+    zero_stage: int
+    params_m: float
+    steps: int
+    wall_s: float
+    samples_per_s: float
+    response_tokens_per_s: float
+    all_tokens_per_s: float
+    share: dict[str, float]  # of the timed wall time, per phase
+    seconds: dict[str, float]
+
+
+@dataclass(frozen=True)
+class LearnerReport:
+    setup: dict
+    results: list[StageResult]
+
+
+def bench_one(args: argparse.Namespace, zero_stage: int) -> StageResult:
     from async_rlhf.config import LearnerConfig
     from async_rlhf.synthetic import CHAR_VOCAB_SIZE, build_model, random_groups
-    from async_rlhf.launch.bench.feed import OnceReplay, PreloadedQueue
     from learners.deepspeed_backend import DeepSpeedBackend
     from learners.learner import Learner
 
@@ -64,62 +140,40 @@ def bench_one(args: argparse.Namespace, zero_stage: int) -> dict:
                            response_len=args.response_len, group_size=args.group_size)
     for i in range(cfg.steps):  # stamp each batch with the version that will train it
         queue.put([g.with_version(i) for g in groups[i * per_batch:(i + 1) * per_batch]])
-    learner.train(args.warmup)
-    t0 = time.perf_counter()
-    history = learner.train(args.steps)
-    wall = time.perf_counter() - t0
+    timed = warm_then_time(learner.step, warmup=args.warmup, repeats=args.steps)
+    wall, history = sum(t for t, _ in timed), [m for _, m in timed]
     if dict(queue.acked) != {"trained": n}:  # anything dropped would make the numbers lie
         raise RuntimeError(f"bench-learner expected {n} groups trained, got {dict(queue.acked)}")
     totals = {p: sum(m[f"time_{p}"] for m in history) for p in PHASES}
     samples = sum(m["samples"] for m in history)
     tokens = sum(m["tokens"] for m in history)
-    return {
-        "zero_stage": zero_stage,
-        "params_m": round(params / 1e6, 2),
-        "steps": args.steps,
-        "wall_s": round(wall, 3),
-        "samples_per_s": round(samples / wall, 3),
-        "response_tokens_per_s": round(tokens / wall, 1),
-        "all_tokens_per_s": round(samples * (args.prompt_len + args.response_len) / wall, 1),
-        "share": {p: round(totals[p] / wall, 3) for p in PHASES},
-        "seconds": {p: round(totals[p], 3) for p in PHASES},
-    }
+    return StageResult(zero_stage, round(params / 1e6, 2), args.steps, round(wall, 3), round(samples / wall, 3),
+                       round(tokens / wall, 1), round(samples * (args.prompt_len + args.response_len) / wall, 1),
+                       {p: round(totals[p] / wall, 3) for p in PHASES}, {p: round(totals[p], 3) for p in PHASES})
 
 
-def _plot(results: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(6, 1.2 + 0.5 * len(results)))
-    labels = [f"ZeRO-{r['zero_stage']}" for r in results]
-    left = [0.0] * len(results)
-    for p in PHASES:
-        widths = [r["share"][p] for r in results]
-        ax.barh(labels, widths, left=left, label=p)
-        left = [a + b for a, b in zip(left, widths)]
-    ax.set_xlabel("share of step time")
-    ax.legend(fontsize=7, ncol=len(PHASES), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path)
+def _plot(report: LearnerReport, path: Path) -> None:
+    results = report.results
+    with figure(path, figsize=(6, 1.2 + 0.5 * len(results))) as ax:
+        labels = [f"ZeRO-{r.zero_stage}" for r in results]
+        left = [0.0] * len(results)
+        for p in PHASES:
+            widths = [r.share[p] for r in results]
+            ax.barh(labels, widths, left=left, label=p)
+            left = [a + b for a, b in zip(left, widths)]
+        ax.set_xlabel("share of step time")
+        ax.legend(fontsize=7, ncol=len(PHASES), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    results = [bench_one(args, stage) for stage in args.zero_stage]
-    setup = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"setup": setup, "results": results}, indent=2))
-    _plot(results, out.with_suffix(".png"))
-    for r in results:
-        shares = "  ".join(f"{p} {100 * r['share'][p]:.0f}%" for p in PHASES)
-        print(f"ZeRO-{r['zero_stage']} {r['params_m']}M params: {r['samples_per_s']} samples/s, "
-              f"{r['response_tokens_per_s']} response tok/s, {r['all_tokens_per_s']} tok/s | {shares}")
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    report = LearnerReport({k: v for k, v in vars(args).items() if k not in ("func", "command")},
+                           [bench_one(args, stage) for stage in args.zero_stage])
+    for r in report.results:
+        shares = "  ".join(f"{p} {100 * r.share[p]:.0f}%" for p in PHASES)
+        print(f"ZeRO-{r.zero_stage} {r.params_m}M params: {r.samples_per_s} samples/s, "
+              f"{r.response_tokens_per_s} response tok/s, {r.all_tokens_per_s} tok/s | {shares}")
+    save(report, Path(args.out), plot=_plot)
     return 0
