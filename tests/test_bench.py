@@ -81,12 +81,12 @@ def test_bench_tiny_writes_outputs(tmp_path: Path, tiny_actor_model: Path):
     assert bounds["min_samples_per_s"] == min(bounds["gen"]["samples_per_s"], bounds["train"]["samples_per_s"])
     assert bounds["engine"]["tokens_per_s"] > 0 and bounds["engine"]["detail"]["inflight"] == 8
     assert report["baseline"] == "colocated-k0-g1"
-    verdicts = {v["name"]: v for v in report["verdicts"]}
+    verdicts = {v["target"]["name"]: v for v in report["verdicts"]}
     assert verdicts["gen_tokens_of_engine"]["value"] == pytest.approx(
         bounds["gen"]["tokens_per_s"] / bounds["engine"]["tokens_per_s"])
     assert {"speedup_vs_baseline", "reward_0.9_speedup_vs_baseline", "reward_per_sample_vs_baseline",
             "baseline_of_train_bound", "fraction_of_bound", "fraction_of_packed"} <= set(verdicts)
-    assert verdicts["speedup_vs_baseline"]["at_least"] == 1.3 and verdicts["speedup_vs_baseline"]["met"] in (
+    assert verdicts["speedup_vs_baseline"]["target"]["at_least"] == 1.3 and verdicts["speedup_vs_baseline"]["met"] in (
         True, False)
 
     table = (out / "bench.md").read_text()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from async_rlhf.launch.bench.harness import Target, Verdict, in_child, save, warm_then_time
+from async_rlhf.launch.bench.harness import Target, in_child, save, warm_then_time
 
 
 def test_in_child_returns_what_the_function_returned_from_another_process(tmp_path: Path):
@@ -38,12 +38,12 @@ class _Report:
 
 
 def test_save_writes_the_dataclass_as_json_and_the_files_beside_it(tmp_path: Path, capsys):
-    report = _Report(2.5, [Verdict(Target("x", "rate", "a", "b", at_least=2.0), 2.5)])
+    report = _Report(2.5, [Target("x", "rate", "a", "b", at_least=2.0).judge(2.5)])
     save(report, tmp_path / "r" / "bench.json", markdown=lambda r, p: p.write_text(f"rate {r.rate}"),
          plot=lambda r, p: p.write_bytes(b"png"))
     data = json.loads((tmp_path / "r" / "bench.json").read_text())
     assert data["rate"] == 2.5 and data["verdicts"][0] == {
-        "name": "x", "metric": "rate", "run": "a", "against": "b", "at_least": 2.0, "at_most": None,
+        "target": {"name": "x", "metric": "rate", "run": "a", "against": "b", "at_least": 2.0, "at_most": None},
         "value": 2.5, "met": True}
     assert (tmp_path / "r" / "bench.png").read_bytes() == b"png"
     assert "rate 2.5" in capsys.readouterr().out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from async_rlhf.launch.bench.harness import Target, Verdict
+from async_rlhf.launch.bench.harness import Target
 from async_rlhf.launch.bench.jobs import TARGETS, targets
 from async_rlhf.launch.bench.report import Run, Setting, baseline, smoothed, time_to_reward, verdicts
 from async_rlhf.launch.bench.stages import Bounds, StageBound
@@ -87,11 +87,11 @@ def test_baseline_is_the_fastest_synchronous_run_and_the_targets_are_ratios_agai
 
 def test_a_verdict_is_met_inside_its_declared_range_and_says_so():
     between = Target("x", "samples_per_s", "a", "b", at_least=0.95, at_most=1.05)
-    assert [Verdict(between, v).met for v in (0.94, 0.95, 1.0, 1.05, 1.06)] == [False, True, True, True, False]
-    assert Verdict(Target("y", "samples_per_s", "a", "b", at_least=1.3), 1.2).met is False
-    assert Verdict(Target("z", "samples_per_s", "a", "b"), 5.0).met is None  # reported, not judged
-    assert str(Verdict(between, 1.0)) == "x = 1.00 (target >= 0.95 and <= 1.05: met)"
-    assert str(Verdict(Target("z", "samples_per_s", "a", "b"), None)) == "z = -"
+    assert [between.judge(v).met for v in (0.94, 0.95, 1.0, 1.05, 1.06)] == [False, True, True, True, False]
+    assert Target("y", "samples_per_s", "a", "b", at_least=1.3).judge(1.2).met is False
+    assert Target("z", "samples_per_s", "a", "b").judge(5.0).met is None  # reported, not judged
+    assert str(between.judge(1.0)) == "x = 1.00 (target >= 0.95 and <= 1.05: met)"
+    assert str(Target("z", "samples_per_s", "a", "b").judge(None)) == "z = -"
 
 
 def test_a_slower_run_fails_the_speedup_target_it_declares():

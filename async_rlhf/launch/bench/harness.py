@@ -67,25 +67,25 @@ class Target:
     at_least: float | None = None
     at_most: float | None = None
 
+    def judge(self, value: float | None) -> Verdict:
+        """The verdict on `value` (None: one side is missing, or a reward never reached)."""
+        judged = value is not None and (self.at_least is not None or self.at_most is not None)
+        return Verdict(self, value, ((self.at_least is None or value >= self.at_least)
+                                     and (self.at_most is None or value <= self.at_most)) if judged else None)
+
 
 @dataclass(frozen=True)
 class Verdict:
     target: Target
-    value: float | None  # None: one side is missing (no such run, a reward never reached)
-
-    @property
-    def met(self) -> bool | None:
-        t = self.target
-        if self.value is None or (t.at_least is None and t.at_most is None):
-            return None
-        return (t.at_least is None or self.value >= t.at_least) and (t.at_most is None or self.value <= t.at_most)
+    value: float | None
+    met: bool | None  # None: reported, not judged
 
     def __str__(self) -> str:
         t = self.target
-        value = "-" if self.value is None else f"{self.value:.2f}"
         wanted = " and ".join(([f">= {t.at_least}"] if t.at_least is not None else [])
                               + ([f"<= {t.at_most}"] if t.at_most is not None else []))
-        verdict = {True: "met", False: "NOT met", None: ""}[self.met]
+        verdict = {True: "met", False: "NOT met", None: "-"}[self.met]
+        value = "-" if self.value is None else f"{self.value:.2f}"
         return f"{t.name} = {value}" + (f" (target {wanted}: {verdict})" if wanted else "")
 
 
@@ -111,7 +111,7 @@ def save(report: Any, path: Path, *, markdown: Callable[[Any, Path], None] | Non
     """`report` (a dataclass or a dict) as JSON at `path`, and beside it, when given, its
     Markdown (.md, also printed) and plot (.png)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = _plain(report)
+    data = dataclasses.asdict(report) if dataclasses.is_dataclass(report) else report
     path.write_text(json.dumps(data, indent=2, default=float) + "\n")
     written = [path]
     if markdown:
@@ -122,19 +122,6 @@ def save(report: Any, path: Path, *, markdown: Callable[[Any, Path], None] | Non
         plot(report, path.with_suffix(".png"))
         written.append(path.with_suffix(".png"))
     print("wrote " + ", ".join(map(str, written)), flush=True)
-
-
-def _plain(value: Any) -> Any:
-    """Dataclasses as dicts (a Verdict with its `met` too), all the way down."""
-    if isinstance(value, Verdict):
-        return {**dataclasses.asdict(value.target), "value": value.value, "met": value.met}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 if __name__ == "__main__":  # in_child's process: one pickled call, its result pickled back

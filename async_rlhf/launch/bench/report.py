@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,7 @@ class BenchReport:
     runs: list[Run]
     baseline: str | None  # the strongest synchronous setting's name
     best_async: str | None
-    verdicts: list[Verdict] = field(default_factory=list)
+    verdicts: list[Verdict]
 
 
 def smoothed(curve: list[dict]) -> list[float]:
@@ -201,7 +201,7 @@ def verdicts(targets: list[Target], runs: list[Run], bounds: Bounds) -> list[Ver
         "sync_same_placement": same, "bound:gen": bounds.gen, "bound:engine": bounds.engine,
         "bound:train": bounds.train, "bound:min": bounds.min_samples_per_s,
         "bound:packed": bounds.packed_samples_per_s}
-    return [Verdict(t, ratio(t.metric, sides.get(t.run), sides.get(t.against))) for t in targets]
+    return [t.judge(ratio(t.metric, sides.get(t.run), sides.get(t.against))) for t in targets]
 
 
 def ratio(metric: str, a: Any, b: Any) -> float | None:
