@@ -6,7 +6,6 @@ models.py        the policy, reference and critic every backend loads, and their
 deepspeed_backend.py  the DeepSpeed engines (policy, reference, critic), weight gather, checkpoints
 torch_backend.py the same on torch.optim.AdamW in one process (world size 1)
 learner.py       the loop: stream -> replay -> step -> ack -> version -> publish
-bench.py         `async-rlhf bench-learner`; bench_feed.py its in-memory queue and replay
 
 Imports only async_rlhf.*; DeepSpeed and transformers are imported inside the backends.
 """

@@ -11,7 +11,7 @@ import pickle
 
 import pytest
 
-from async_rlhf.launch.bench_report import summarise
+from async_rlhf.launch.bench.report import summarise
 from async_rlhf.launch.jobctl import JobStatus
 from async_rlhf.launch.metrics import MetricsLog, StepRecord
 from async_rlhf.launch.study import summarise_run
@@ -113,12 +113,12 @@ def test_a_job_record_reaches_metrics_jsonl_tensorboard_the_console_and_the_benc
     assert "step    1/4  reward 0.500  loss +0.2500  staleness max 1 mean 0.50  2.0 samples/s  sync 30 ms" in out
 
     bench = summarise(tmp_path, warmup=1)
-    assert bench["timed_steps"] == 3 and bench["window_s"] == 30.0 and bench["samples_per_s"] == 24 / 30
-    assert bench["gen_idle"] == pytest.approx(18 / (18 + 36))  # idle / (idle + generate + loads) in the window
-    assert bench["learner_idle"] == pytest.approx(3 * 0.5 / 30) and bench["staleness_hist"] == {"0": 12, "1": 12}
-    assert bench["accounting"] == {"produced": 10, "trained": 8, "dropped_stale": 1, "lost": 0}
-    assert bench["gen_mean_inflight"] == 7.5 and bench["shutdown_s"] == 2.0
-    assert [p["version"] for p in bench["policy_curve"]] == [0, 1, 2, 3]
+    assert bench.timed_steps == 3 and bench.window_s == 30.0 and bench.samples_per_s == 24 / 30
+    assert bench.gen_idle == pytest.approx(18 / (18 + 36))  # idle / (idle + generate + loads) in the window
+    assert bench.learner_idle == pytest.approx(3 * 0.5 / 30) and bench.staleness_hist == {"0": 12, "1": 12}
+    assert bench.accounting == {"produced": 10, "trained": 8, "dropped_stale": 1, "lost": 0}
+    assert bench.gen_mean_inflight == 7.5 and bench.shutdown_s == 2.0
+    assert [p["version"] for p in bench.policy_curve] == [0, 1, 2, 3]
 
     study = summarise_run(tmp_path, batch_size=8)
     assert study["curve"] == [{"version": 4, "samples": 32, "eval_reward": 0.5}]

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from async_rlhf.launch.bench_report import save
+from async_rlhf.launch.bench.harness import figure, save
 from async_rlhf.launch.cli import int_list
 from async_rlhf.launch.metrics import StepRecord
 from async_rlhf.messages import JobSummary
@@ -170,31 +170,24 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     losses = list(dict.fromkeys(r["loss"] for r in report["runs"] if r["k"] > 0))
     ks = sorted({r["k"] for r in report["runs"]})
-    fig, axes = plt.subplots(1, len(losses), figsize=(5 * len(losses), 4), sharey=True, squeeze=False)
-    for ax, loss in zip(axes[0], losses):
-        for k in ks:
-            curves = [r["curve"] for r in report["runs"] if r["k"] == k and (k == 0 or r["loss"] == loss)]
-            if not curves:
-                continue
-            versions = sorted(set.intersection(*({c["version"] for c in curve} for curve in curves)))
-            x = [v * report["batch_size"] for v in versions]
-            ys = [[{c["version"]: c["eval_reward"] for c in curve}[v] for curve in curves] for v in versions]
-            (line,) = ax.plot(x, [statistics.mean(y) for y in ys], label=f"k = {k}")
-            ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
-        ax.axhline(report["blind_ceiling"], color="grey", linestyle=":", label="prompt-blind ceiling")
-        ax.set_title(loss)
-        ax.set_xlabel("trained samples")
-    axes[0][0].set_ylabel("held-out reward (greedy); band: seeds' min-max")
-    axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with figure(path, 1, len(losses), figsize=(5 * len(losses), 4), sharey=True, squeeze=False, dpi=110) as axes:
+        for ax, loss in zip(axes[0], losses):
+            for k in ks:
+                curves = [r["curve"] for r in report["runs"] if r["k"] == k and (k == 0 or r["loss"] == loss)]
+                if not curves:
+                    continue
+                versions = sorted(set.intersection(*({c["version"] for c in curve} for curve in curves)))
+                x = [v * report["batch_size"] for v in versions]
+                ys = [[{c["version"]: c["eval_reward"] for c in curve}[v] for curve in curves] for v in versions]
+                (line,) = ax.plot(x, [statistics.mean(y) for y in ys], label=f"k = {k}")
+                ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
+            ax.axhline(report["blind_ceiling"], color="grey", linestyle=":", label="prompt-blind ceiling")
+            ax.set_title(loss)
+            ax.set_xlabel("trained samples")
+        axes[0][0].set_ylabel("held-out reward (greedy); band: seeds' min-max")
+        axes[0][0].legend()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -243,5 +236,5 @@ def run(args: argparse.Namespace) -> int:
               "eval_prompts": cfg.eval.prompts, "wall_s": time.time() - start,
               "blind_ceiling": round(prompt_blind_ceiling(heldout), 3) if heldout else None,
               "cells": aggregate(runs), "runs": runs}
-    save(report, out, "study", write_markdown, plot)
+    save(report, out / "study.json", markdown=write_markdown, plot=plot)
     return 0

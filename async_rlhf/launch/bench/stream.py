@@ -24,12 +24,13 @@ row as well.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+
+from async_rlhf.launch.bench.harness import save
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,21 +96,44 @@ def _queue_round(client, groups: list, batch: int) -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
-def _print_table(results: dict) -> None:
+@dataclass(frozen=True)
+class Rate:
+    """One path's median round, and its ratio to the raw loops (the queue's, raw + codec's)."""
+
+    seconds: float
+    traj_per_s: float
+    mb_per_s: float
+    ratio_to_raw: float | None = None
+    ratio_to_raw_codec: float | None = None
+
+
+@dataclass(frozen=True)
+class QueueReport:
+    n: int
+    group_size: int
+    tokens: int
+    prompt_tokens: int
+    batch: int
+    rounds: int
+    bytes_per_traj: float
+    redis: str
+    raw: dict[str, Rate]  # produce, consume
+    raw_codec: dict[str, Rate]
+    queue: dict[str, Rate]
+
+
+def _print_table(r: QueueReport) -> None:
     """The results as a table: rates and their ratios to the raw loops."""
-    print(f"{results['n']} trajectories x {results['tokens']} tokens ({results['bytes_per_traj']:.0f} B "
-          f"each) in groups of {results['group_size']}, batch {results['batch']} groups, median of "
-          f"{results['rounds']} rounds, {results['redis']}")
+    print(f"{r.n} trajectories x {r.tokens} tokens ({r.bytes_per_traj:.0f} B each) in groups of "
+          f"{r.group_size}, batch {r.batch} groups, median of {r.rounds} rounds, {r.redis}")
     print(f"{'':34}{'traj/s':>9}{'MB/s':>8}{'vs raw':>8}{'vs raw+codec':>14}")
-    rows = (("raw redis-py", "raw"), ("raw redis-py + codec", "raw_codec"),
-            ("RedisExperienceQueue", "queue"))
+    rows = (("raw redis-py", r.raw), ("raw redis-py + codec", r.raw_codec), ("RedisExperienceQueue", r.queue))
     for side, verb in (("produce", "put"), ("consume", "get+ack")):
-        for name, key in rows:
-            r = results[key][side]
-            ratio = f"{r['ratio_to_raw']:.0%}" if "ratio_to_raw" in r else ""
-            ratio_codec = f"{r['ratio_to_raw_codec']:.0%}" if "ratio_to_raw_codec" in r else ""
-            print(f"{name + ' ' + verb:34}{r['traj_per_s']:>9.0f}{r['mb_per_s']:>8.1f}{ratio:>8}"
-                  f"{ratio_codec:>14}")
+        for name, path in rows:
+            x = path[side]
+            ratio = f"{x.ratio_to_raw:.0%}" if x.ratio_to_raw is not None else ""
+            ratio_codec = f"{x.ratio_to_raw_codec:.0%}" if x.ratio_to_raw_codec is not None else ""
+            print(f"{name + ' ' + verb:34}{x.traj_per_s:>9.0f}{x.mb_per_s:>8.1f}{ratio:>8}{ratio_codec:>14}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,28 +165,21 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.close()
 
-    def rate(seconds: list[float]) -> dict[str, float]:
-        s = statistics.median(seconds)
-        return {"seconds": s, "traj_per_s": args.n / s, "mb_per_s": mb / s}
+    def rates(times: list[tuple[float, float]], raw=None, raw_codec=None) -> dict[str, Rate]:
+        out = {}
+        for i, side in enumerate(("produce", "consume")):
+            s = statistics.median(t[i] for t in times)
+            out[side] = Rate(s, args.n / s, mb / s, raw and raw[side].seconds / s,
+                             raw_codec and raw_codec[side].seconds / s)
+        return out
 
-    results = {
-        "n": args.n, "group_size": args.group_size, "tokens": args.tokens,
-        "prompt_tokens": args.prompt_tokens, "batch": args.batch, "rounds": args.rounds,
-        "bytes_per_traj": mb * 1e6 / args.n,
-        "redis": "external" if args.redis_url else ("embedded, AOF everysec" if args.durable
-                                                    else "embedded, no persistence"),
-    }
-    for key, times in rounds.items():
-        results[key] = {"produce": rate([t[0] for t in times]), "consume": rate([t[1] for t in times])}
-    for key in ("raw_codec", "queue"):
-        for side in ("produce", "consume"):
-            r = results[key][side]
-            r["ratio_to_raw"] = r["traj_per_s"] / results["raw"][side]["traj_per_s"]
-            if key == "queue":
-                r["ratio_to_raw_codec"] = r["traj_per_s"] / results["raw_codec"][side]["traj_per_s"]
-    _print_table(results)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    raw = rates(rounds["raw"])
+    raw_codec = rates(rounds["raw_codec"], raw)
+    report = QueueReport(args.n, args.group_size, args.tokens, args.prompt_tokens, args.batch, args.rounds,
+                         mb * 1e6 / args.n,
+                         "external" if args.redis_url else ("embedded, AOF everysec" if args.durable
+                                                            else "embedded, no persistence"),
+                         raw, raw_codec, rates(rounds["queue"], raw, raw_codec))
+    _print_table(report)
+    save(report, Path(args.out))
     return 0

@@ -3,22 +3,22 @@
 Both engines get the same prompts (built-in task prompts, tokenized with the model's tokenizer),
 sample with the same settings, and stop at EOS or max_new_tokens, so response lengths vary as in
 real use. Each engine runs in its own fresh subprocess (the in-process vLLM engine pins this
-process's threads and memory policy), is warmed up once, then timed `--repeats` times. Tokens are
+process's threads and memory policy: harness.in_child), is warmed up once, then timed `--repeats` times. Tokens are
 response tokens actually produced (EOS included, padding not). Reported: tokens/s, tokens/s per
 thread, mean response length, share of responses that ended at EOS, and the per-thread speedup
 of vLLM over transformers at its best thread count (`--hf-threads 1,2` runs both: on a busy
 machine 2 OpenMP threads can be several times slower than 1, since they wait on each other);
-written as JSON (and a PNG bar chart when matplotlib is present).
+written as JSON and a PNG bar chart.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from async_rlhf.launch.bench.harness import figure, in_child, save, warm_then_time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,11 +34,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", default="vllm,hf", help="comma-separated subset of vllm,hf")
     parser.add_argument("--out", default="runs/bench/gen.json")
     parser.add_argument("--task", default="copy", help="built-in task whose prompts are used")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one engine
 
 
-def _measure(args: argparse.Namespace) -> dict:
-    """Runs inside the per-engine subprocess."""
+@dataclass(frozen=True)
+class Timed:
+    seconds: float
+    tokens: int  # response tokens produced, EOS included
+    tokens_per_s: float
+    mean_length: float
+    ended_at_eos: float  # share of responses
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    engine: str
+    threads: int
+    torch_threads_seen: int
+    startup_s: float
+    tokens_per_s: float
+    tokens_per_s_per_thread: float
+    weight_update_s: float
+    runs: list[Timed]
+
+
+@dataclass(frozen=True)
+class GenReport:
+    model: str
+    preset: str
+    prompts: int
+    max_new_tokens: int
+    temperature: float
+    results: list[EngineResult]
+    per_thread_speedup_by_hf_threads: dict[str, float] | None  # vLLM over transformers at N threads
+    per_thread_speedup_vllm_over_hf: float | None  # over transformers' best thread count
+
+
+def measure(args: argparse.Namespace, engine_name: str, threads: int) -> EngineResult:
+    """One engine, in its own process (in_child)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -47,8 +79,7 @@ def _measure(args: argparse.Namespace) -> dict:
     from async_rlhf.config import GeneratorConfig
     from async_rlhf.types import Prompt
 
-    threads = args.vllm_threads if args.worker == "vllm" else int(args.hf_threads)
-    cfg = GeneratorConfig(engine=args.worker, max_new_tokens=args.max_new_tokens,
+    cfg = GeneratorConfig(engine=engine_name, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, threads=threads)
     tok = AutoTokenizer.from_pretrained(args.model)
     prompts = [Prompt(f"b{i}", tuple(tok(t)["input_ids"]), t, a)
@@ -56,20 +87,15 @@ def _measure(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     engine = make_engine(cfg, args.model, seed=0)
     startup_s = time.perf_counter() - start
-    engine.generate(prompts, 1)  # warm-up
     runs = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        samples = [g[0] for g in engine.generate(prompts, 1)]
-        seconds = time.perf_counter() - start
+    for seconds, groups in warm_then_time(lambda: engine.generate(prompts, 1), warmup=1, repeats=args.repeats):
+        samples = [g[0] for g in groups]
         tokens = sum(len(s.response_ids) for s in samples)
-        runs.append({"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-                     "mean_length": tokens / len(samples),
-                     "ended_at_eos": sum(s.finished for s in samples) / len(samples)})
-    tps = sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs)
-    return {"engine": args.worker, "threads": threads, "torch_threads_seen": torch.get_num_threads(),
-            "startup_s": startup_s, "tokens_per_s": tps, "tokens_per_s_per_thread": tps / threads,
-            "weight_update_s": _time_weight_update(engine, args.model), "runs": runs}
+        runs.append(Timed(seconds, tokens, tokens / seconds, tokens / len(samples),
+                          sum(s.finished for s in samples) / len(samples)))
+    tps = sum(r.tokens for r in runs) / sum(r.seconds for r in runs)
+    return EngineResult(engine_name, threads, torch.get_num_threads(), startup_s, tps, tps / threads,
+                        _time_weight_update(engine, args.model), runs)
 
 
 def continuous_rate(engine, prompts: list, n: int, inflight: int, groups: int) -> dict:
@@ -105,78 +131,43 @@ def _time_weight_update(engine, model_path: str) -> float:
     return time.perf_counter() - start
 
 
-def _spawn(args: argparse.Namespace, engine: str, hf_threads: str) -> dict:
-    argv = [sys.executable, "-m", "async_rlhf.launch.cli", "bench-gen", "--worker", engine,
-            "--hf-threads", hf_threads]
-    for key in ("preset", "model", "prompts", "max_new_tokens", "temperature", "vllm_threads",
-                "repeats", "task"):
-        argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"bench-gen {engine} worker failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
-        )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _plot(results: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(5, 3))
-    names = [f"{r['engine']} ({r['threads']} thr)" for r in results]
-    ax.bar(names, [r["tokens_per_s"] for r in results], label="tokens/s")
-    ax.bar(names, [r["tokens_per_s_per_thread"] for r in results], width=0.4, label="per thread")
-    ax.set_ylabel("response tokens / s")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def _plot(report: GenReport, path: Path) -> None:
+    with figure(path, figsize=(5, 3)) as ax:
+        names = [f"{r.engine} ({r.threads} thr)" for r in report.results]
+        ax.bar(names, [r.tokens_per_s for r in report.results], label="tokens/s")
+        ax.bar(names, [r.tokens_per_s_per_thread for r in report.results], width=0.4, label="per thread")
+        ax.set_ylabel("response tokens / s")
+        ax.legend()
 
 
 def run(args: argparse.Namespace) -> int:
     from actors.model_init import ensure_model
 
     args.model = str(args.model or Path("runs/models") / args.preset)
-    if args.worker:
-        print(json.dumps(_measure(args)))
-        return 0
     ensure_model(args.model, args.preset)
-    engines = args.engines.split(",")
-    results = [_spawn(args, "vllm", "1")] if "vllm" in engines else []
-    if "hf" in engines:
-        results += [_spawn(args, "hf", t) for t in args.hf_threads.split(",")]
-    report = {"model": args.model, "preset": args.preset, "prompts": args.prompts,
-              "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "results": results}
-    hf = [r for r in results if r["engine"] == "hf"]
-    if hf and results[0]["engine"] == "vllm":
-        vllm_per_thread = results[0]["tokens_per_s_per_thread"]
-        report["per_thread_speedup_by_hf_threads"] = {
-            str(r["threads"]): vllm_per_thread / r["tokens_per_s_per_thread"] for r in hf
-        }  # against transformers' best thread count (the headline figure):
-        best = max(r["tokens_per_s_per_thread"] for r in hf)
-        report["per_thread_speedup_vllm_over_hf"] = vllm_per_thread / best
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    _plot(results, out.with_suffix(".png"))
+    engines = args.engines.split(",")
+    todo = ([("vllm", args.vllm_threads)] if "vllm" in engines else []) + (
+        [("hf", int(t)) for t in args.hf_threads.split(",")] if "hf" in engines else [])
+    results = [in_child(measure, args, name, threads, log=out.with_name(f"{out.stem}-{name}-{threads}.log"))
+               for name, threads in todo]
+    hf = [r for r in results if r.engine == "hf"]
+    vllm = next((r.tokens_per_s_per_thread for r in results if r.engine == "vllm"), None)
+    report = GenReport(args.model, args.preset, args.prompts, args.max_new_tokens, args.temperature, results,
+                       {str(r.threads): vllm / r.tokens_per_s_per_thread for r in hf} if hf and vllm else None,
+                       vllm / max(r.tokens_per_s_per_thread for r in hf) if hf and vllm else None)
     print(f"{args.preset} model, {args.prompts} prompts x <= {args.max_new_tokens} new tokens "
           f"(ending at EOS), temperature {args.temperature}")
     for r in results:
-        lengths = ", ".join(f"{x['mean_length']:.1f}" for x in r["runs"])
-        eos = ", ".join(f"{x['ended_at_eos']:.0%}" for x in r["runs"])
-        print(f"  {r['engine']:5s} threads {r['threads']}: {r['tokens_per_s']:7.0f} tok/s, "
-              f"{r['tokens_per_s_per_thread']:7.0f} tok/s/thread (mean length {lengths}; "
-              f"ended at EOS {eos}; startup {r['startup_s']:.1f} s; full weight update "
-              f"{r['weight_update_s']:.2f} s)")
-    if "per_thread_speedup_vllm_over_hf" in report:
-        each = ", ".join(f"{v:.2f}x vs {k} thread(s)"
-                         for k, v in report["per_thread_speedup_by_hf_threads"].items())
-        print(f"  vLLM / transformers per thread: {each}; "
-              f"vs the best: {report['per_thread_speedup_vllm_over_hf']:.2f}x")
-    print(f"  -> {out}")
+        lengths = ", ".join(f"{x.mean_length:.1f}" for x in r.runs)
+        eos = ", ".join(f"{x.ended_at_eos:.0%}" for x in r.runs)
+        print(f"  {r.engine:5s} threads {r.threads}: {r.tokens_per_s:7.0f} tok/s, "
+              f"{r.tokens_per_s_per_thread:7.0f} tok/s/thread (mean length {lengths}; "
+              f"ended at EOS {eos}; startup {r.startup_s:.1f} s; full weight update "
+              f"{r.weight_update_s:.2f} s)")
+    if report.per_thread_speedup_vllm_over_hf is not None:
+        each = ", ".join(f"{v:.2f}x vs {k} thread(s)" for k, v in report.per_thread_speedup_by_hf_threads.items())
+        print(f"  vLLM / transformers per thread: {each}; vs the best: {report.per_thread_speedup_vllm_over_hf:.2f}x")
+    save(report, out, plot=_plot)
     return 0

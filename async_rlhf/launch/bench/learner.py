@@ -1,0 +1,181 @@
+"""`async-rlhf bench-learner`: learner throughput and where its time goes.
+
+Builds a preset-shaped random-init Llama in-process (no download), feeds the real Learner and
+DeepSpeed backend pre-generated random groups of trajectories from memory (no Redis: this measures learner
+compute; `bench-queue` measures the stream), warms up, then times steps: trained samples/s,
+response tokens/s, and the share of each step spent waiting, recomputing pi_prox, in the train
+forward, backward, optimizer step and the full-weight gather for the weight sync. Several ZeRO
+stages can be compared in one run. Writes JSON + PNG.
+
+The data feed: groups held in memory, handed to the learner through the ExperienceQueue and
+ReplayBuffer protocols without Redis (tests use the real Redis stream and replay buffer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from collections.abc import Sequence
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from async_rlhf.launch.bench.harness import figure, save, warm_then_time
+from async_rlhf.messages import StepTimes
+from async_rlhf.protocols import QueueStats, ReplayDraw
+from async_rlhf.synthetic import PRESETS
+from async_rlhf.types import Group, Received, TrajectoryError
+
+PHASES = tuple(f.name for f in dataclasses.fields(StepTimes) if f.name != "checkpoint")  # no checkpoints here
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    parser.add_argument("--zero-stage", type=int, nargs="+", default=[0], help="one or more stages to compare")
+    parser.add_argument("--batch-size", type=int, default=16, help="trajectories per step")
+    parser.add_argument("--group-size", type=int, default=4, help="trajectories per group (GRPO's n)")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--response-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (after --warmup)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--out", default="runs/bench/learner.json")
+
+
+class NullPublisher:
+    """Consumes the gathered weights like a broadcast would, without sending them."""
+
+    def publish(self, named_tensors, version):
+        for _ in named_tensors:
+            pass
+
+
+class PreloadedQueue:
+    """ExperienceQueue over groups put in memory. The learner is its one consumer, so every
+    entry it gets stays its own (renew keeps all); acks just count."""
+
+    def __init__(self) -> None:
+        self._entries: collections.deque[Received] = collections.deque()
+        self._next = 0
+        self.acked: collections.Counter[str] = collections.Counter()  # reason -> groups
+
+    def put(self, groups: Sequence[Group], timeout_s: float | None = None) -> None:
+        for g in groups:
+            self._entries.append(Received(f"{self._next}-0", g))
+            self._next += 1
+
+    def get(self, count: int, block_ms: int = 1000) -> list[Received]:
+        return [self._entries.popleft() for _ in range(min(count, len(self._entries)))]
+
+    def ack(self, entry_ids: Sequence[str], reason: str = "trained") -> None:
+        self.acked[reason] += len(entry_ids)
+
+    def renew(self, entry_ids: Sequence[str]) -> list[str]:
+        return list(entry_ids)
+
+    def reject(self, rejected: Sequence[tuple[Received, TrajectoryError]]) -> None:
+        raise RuntimeError(f"bench-learner data was rejected: {rejected[0][1]}")
+
+    def dead_letter(self, reason: str, detail: str, payload: bytes = b"") -> None:
+        raise RuntimeError(f"bench-learner data was set aside ({reason}: {detail})")
+
+    def stats(self) -> QueueStats:
+        return QueueStats(len(self._entries), 0, 0, dict(self.acked))
+
+
+class OnceReplay:
+    """ReplayBuffer that hands out each group once, in arrival order, with no staleness logic
+    (the bench stamps every group with the version that trains it)."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[Received] = collections.deque()
+
+    def add(self, items: Sequence[Received]) -> None:
+        self._items.extend(items)
+
+    def draw(self, count: int, version: int) -> ReplayDraw:
+        items = [self._items.popleft() for _ in range(min(count, len(self._items)))]
+        return ReplayDraw(items=items, first_use=[r.entry_id for r in items], dropped=[])
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@dataclass(frozen=True)
+class StageResult:
+    zero_stage: int
+    params_m: float
+    steps: int
+    wall_s: float
+    samples_per_s: float
+    response_tokens_per_s: float
+    all_tokens_per_s: float
+    share: dict[str, float]  # of the timed wall time, per phase
+    seconds: dict[str, float]
+
+
+@dataclass(frozen=True)
+class LearnerReport:
+    setup: dict
+    results: list[StageResult]
+
+
+def bench_one(args: argparse.Namespace, zero_stage: int) -> StageResult:
+    from async_rlhf.config import LearnerConfig
+    from async_rlhf.synthetic import CHAR_VOCAB_SIZE, build_model, random_groups
+    from learners.deepspeed_backend import DeepSpeedBackend
+    from learners.learner import Learner
+
+    cfg = LearnerConfig(batch_size=args.batch_size, micro_batch=args.micro_batch, zero_stage=zero_stage,
+                        steps=args.warmup + args.steps)
+    model = build_model(args.preset)
+    params = sum(p.numel() for p in model.parameters())
+    backend = DeepSpeedBackend(cfg, model, dtype=args.dtype)
+    queue = PreloadedQueue()
+    learner = Learner(cfg, backend, max_staleness=0, group_size=args.group_size, queue=queue,
+                      replay=OnceReplay(), publisher=NullPublisher())
+    per_batch = cfg.batch_size // args.group_size
+    n = per_batch * cfg.steps  # groups
+    groups = random_groups(n, vocab=CHAR_VOCAB_SIZE, prompt_len=args.prompt_len,
+                           response_len=args.response_len, group_size=args.group_size)
+    for i in range(cfg.steps):  # stamp each batch with the version that will train it
+        queue.put([g.with_version(i) for g in groups[i * per_batch:(i + 1) * per_batch]])
+    timed = warm_then_time(learner.step, warmup=args.warmup, repeats=args.steps)
+    wall, history = sum(t for t, _ in timed), [m for _, m in timed]
+    if dict(queue.acked) != {"trained": n}:  # anything dropped would make the numbers lie
+        raise RuntimeError(f"bench-learner expected {n} groups trained, got {dict(queue.acked)}")
+    totals = dataclasses.asdict(StepTimes.total(m.times for m in history))
+    samples = sum(m.samples for m in history)
+    tokens = sum(m.tokens for m in history)
+    return StageResult(zero_stage, round(params / 1e6, 2), args.steps, round(wall, 3), round(samples / wall, 3),
+                       round(tokens / wall, 1), round(samples * (args.prompt_len + args.response_len) / wall, 1),
+                       {p: round(totals[p] / wall, 3) for p in PHASES}, {p: round(totals[p], 3) for p in PHASES})
+
+
+def _plot(report: LearnerReport, path: Path) -> None:
+    results = report.results
+    with figure(path, figsize=(6, 1.2 + 0.5 * len(results))) as ax:
+        labels = [f"ZeRO-{r.zero_stage}" for r in results]
+        left = [0.0] * len(results)
+        for p in PHASES:
+            widths = [r.share[p] for r in results]
+            ax.barh(labels, widths, left=left, label=p)
+            left = [a + b for a, b in zip(left, widths)]
+        ax.set_xlabel("share of step time")
+        ax.legend(fontsize=7, ncol=len(PHASES), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    report = LearnerReport({k: v for k, v in vars(args).items() if k not in ("func", "command")},
+                           [bench_one(args, stage) for stage in args.zero_stage])
+    for r in report.results:
+        shares = "  ".join(f"{p} {100 * r.share[p]:.0f}%" for p in PHASES)
+        print(f"ZeRO-{r.zero_stage} {r.params_m}M params: {r.samples_per_s} samples/s, "
+              f"{r.response_tokens_per_s} response tok/s, {r.all_tokens_per_s} tok/s | {shares}")
+    save(report, Path(args.out), plot=_plot)
+    return 0
