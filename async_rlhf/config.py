@@ -157,8 +157,8 @@ class GeneratorConfig(_Section):
     top_p: float = 1.0
     threads: int = 1
     # CPU scheduling priority (a nice increment, 0-19) of the generator processes. Where they
-    # share cores with the learner, a positive value lets the learner's threads run first and
-    # the generators take the cycles the learner leaves idle (placement: auto sets 19 on CPU).
+    # share cores with the learner, a positive value gives the learner's threads the larger
+    # share and the generators the rest (placement: auto sets 19 on CPU; see its module doc).
     nice: int = 0
     tensor_parallel: int = 1  # GPU only
     max_restarts: int = 10  # a generator that dies is replaced, after 1, 2, 4 ... 30 s, this often

@@ -59,9 +59,9 @@ def test_apply_placement_sets_counts_ranks_and_threads():
     cfg = load_config(None, ["placement=auto", "learner.batch_size=64", "learner.micro_batch=16",
                              "generator.count=3", "generator.threads=2", "learner.threads=2"])
     placed, line = apply_placement(cfg, devices=2, gpu=False)
-    assert (placed.generator.count, placed.generator.threads) == (1, 1)
+    assert (placed.generator.count, placed.generator.threads, placed.generator.nice) == (1, 1, 19)
     assert (placed.learner.ranks, placed.learner.threads) == (2, 1)
-    assert line.startswith("placement auto: 1 generator(s) x 1 thread(s), learner 2 rank(s) x 1 thread(s)")
+    assert line.startswith("placement auto: 1 generator(s) x 1 thread(s) at nice 19, learner 2 rank(s) x 1 thread(s)")
     # 3 cores, 4 micro-batches: 2 ranks (the largest divisor that fits), 1 thread each
     placed, _ = apply_placement(cfg, devices=3, gpu=False)
     assert (placed.learner.ranks, placed.learner.threads) == (2, 1)
@@ -80,6 +80,7 @@ def test_apply_placement_gpu_and_manual():
                              "learner.batch_size=64", "learner.micro_batch=16"])
     placed, _ = apply_placement(cfg, devices=8, gpu=True)
     assert (placed.generator.count, placed.learner.ranks, placed.learner.threads) == (6, 2, 1)
+    assert placed.generator.nice == 0  # GPUs are not time-shared: no priority to give
     with pytest.raises(ValueError, match="learner.batch_size a multiple of learner.micro_batch x 3"):
         apply_placement(cfg, devices=12, gpu=True)  # 9 + 3: 4 micro-batches do not split over 3
     torch = load_config(None, ["placement=auto", "stage_costs.generator_s=3", "stage_costs.learner_s=1",
@@ -93,6 +94,8 @@ def test_apply_placement_gpu_and_manual():
 def test_config_checks_placement_keys():
     with pytest.raises(ConfigError, match="placement must be one of 'manual', 'auto', got 'fast'"):
         load_config(None, ["placement=fast"])
+    with pytest.raises(ConfigError, match=r"generator.nice must be from 0 \(normal priority\) to 19 \(lowest\), got 20"):
+        load_config(None, ["generator.nice=20"])
     with pytest.raises(ConfigError, match="stage_costs.learner_s must be > 0, got 0"):
         load_config(None, ["stage_costs.learner_s=0"])
     with pytest.raises(ConfigError, match="learner.ranks must be 1 with learner.backend=torch"):

@@ -17,7 +17,11 @@ idles for the rest.
   (rounded up, at least one engine), and the learner gets every core as data-parallel ranks of
   one thread each (ranks scale on CPU; a rank's extra threads gain little on small matrices:
   bench-learner): the learner runs wherever the generators leave a core idle, and a generator that
-  waits on the staleness gate sleeps, yielding its core. Throughput is then bounded by
+  waits on the staleness gate sleeps, yielding its core. The generators run at the lowest CPU
+  priority (generator.nice=19; Ray runs its workers, the learner's too, at nice 15), so that where
+  both want a core the learner gets about 70% of it (the kernel's weights for nice 15 and 19);
+  measured on configs/bench.yaml at k = 2, side by side: 13.5-14.0 samples/s against 12.2-12.7 at
+  the same nice, and 11.8-12.1 with the learner at nice 0, which starved generation. Throughput is then bounded by
   N / (c_gen + c_learn), the perfect packing of both stages' work on the machine.
   The ranks are the largest divisor of the batch's micro-batches that fits the cores; the cores
   left over go to each rank as threads.
@@ -94,9 +98,9 @@ def apply_placement(cfg: Config, devices: int, gpu: bool) -> tuple[Config, str]:
                          f"has {micro_batches} micro-batches, which do not split over them: make "
                          f"learner.batch_size a multiple of learner.micro_batch x {p.learner_devices}")
     cfg = dataclasses.replace(
-        cfg, generator=dataclasses.replace(g, count=p.gen_devices // unit, threads=1),
+        cfg, generator=dataclasses.replace(g, count=p.gen_devices // unit, threads=1, nice=g.nice if gpu else 19),
         learner=dataclasses.replace(learner, ranks=ranks, threads=threads))
     chosen = (f"placement auto: {cfg.generator.count} generator(s) x {unit} "
-              f"{'GPU' if gpu else 'thread'}(s), learner {ranks} rank(s) x "
+              f"{'GPU' if gpu else 'thread'}(s){'' if gpu else ' at nice 19'}, learner {ranks} rank(s) x "
               f"{'1 GPU' if gpu else f'{threads} thread(s)'}; {p.why}")
     return cfg, chosen
