@@ -16,6 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def _field_sums(cls, items: Iterable[Any]):
+    """A `cls` whose every field is the sum of that attribute over `items`."""
+    items = list(items)
+    return cls(**{f.name: sum(getattr(i, f.name) for i in items) for f in dataclasses.fields(cls)})
+
+
 @dataclass(frozen=True)
 class StepTimes:
     """Seconds one learner step spent in each phase (time_<phase> in metrics.jsonl)."""
@@ -32,8 +38,7 @@ class StepTimes:
     @classmethod
     def total(cls, times: Iterable[StepTimes]) -> StepTimes:
         """Each phase's seconds summed over steps."""
-        times = list(times)
-        return cls(**{f.name: sum(getattr(t, f.name) for t in times) for f in dataclasses.fields(cls)})
+        return _field_sums(cls, times)
 
 
 @dataclass(frozen=True)
@@ -167,8 +172,7 @@ class GeneratorTotals:
 
     @classmethod
     def of(cls, stats: Iterable[GeneratorStats]) -> GeneratorTotals:
-        stats = list(stats)
-        return cls(**{f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(cls)})
+        return _field_sums(cls, stats)
 
     def minus(self, earlier: GeneratorTotals) -> GeneratorTotals:
         return GeneratorTotals(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
