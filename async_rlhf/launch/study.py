@@ -146,7 +146,8 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"loss": loss, "k": k, "seeds": len(aucs), "auc_mean": statistics.mean(aucs),
                     "auc_min": min(aucs), "auc_max": max(aucs),
                     "auc_sd": statistics.stdev(aucs) if len(aucs) > 1 else 0.0,
-                    "auc_rel": statistics.mean(aucs) / statistics.mean(base) if base else None,
+                    # None without a k = 0 cell, or one that never left 0 (nothing to be relative to)
+                    "auc_rel": statistics.mean(aucs) / statistics.mean(base) if base and any(base) else None,
                     "last_version": last})
     return out
 
