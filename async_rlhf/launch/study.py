@@ -24,7 +24,9 @@ The curve: the greedy held-out reward (eval.every, eval.prompts) against trained
 (the mean held-out reward over training), is compared with k = 0 (`auc_rel`: the seed means' ratio;
 one set of k = 0 runs serves every loss, see `plan`). Runs share one local Ray cluster (a head per run would cost
 its start-up each time) and run --parallel at a time. Writes DIR/study.json, DIR/study.md,
-DIR/study.png; each run keeps its directory and log under DIR/runs/.
+DIR/study.png; each run keeps its directory and log under DIR/runs/. A rerun into the same DIR
+adds to the study: the runs its study.json holds with the same resolved config are kept, so more
+seeds or another k cost only the new runs (see `earlier_runs`).
 """
 
 from __future__ import annotations
@@ -80,16 +82,20 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
             for seed in int_list(args.seeds, "seeds")]
 
 
+def run_overrides(run: dict[str, Any], out: Path, steps: int) -> list[str]:
+    """The config overrides that make one run of the study (besides the study's own)."""
+    ratio_to, correction = LOSSES[run["loss"]]
+    return [f"out={out / 'runs' / run['name']}", f"seed={run['seed']}", f"max_staleness={run['k']}",
+            f"generator.weight_lag={run['k']}", "generator.weight_updates=between_groups",
+            f"learner.ratio_to={ratio_to}", f"learner.correction={correction}", f"learner.steps={steps}"]
+
+
 def run_one(args: argparse.Namespace, run: dict[str, Any], out: Path, steps: int, ray_address: str,
             stop: threading.Event) -> Path:
 
-    ratio_to, correction = LOSSES[run["loss"]]
     run_dir = out / "runs" / run["name"]
     argv = [sys.executable, "-m", "async_rlhf.launch.cli", "train", "--config", args.config, *args.overrides,
-            f"job=study-{os.getpid()}-{run['name']}", f"out={run_dir}", f"seed={run['seed']}",
-            f"max_staleness={run['k']}", f"generator.weight_lag={run['k']}",
-            "generator.weight_updates=between_groups", f"learner.ratio_to={ratio_to}",
-            f"learner.correction={correction}", f"learner.steps={steps}", "--ray-address", ray_address]
+            f"job=study-{os.getpid()}-{run['name']}", *run_overrides(run, out, steps), "--ray-address", ray_address]
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("metrics.jsonl", "summary.json"):  # a rerun into the same DIR starts afresh
         (run_dir / stale).unlink(missing_ok=True)
@@ -102,6 +108,31 @@ def run_one(args: argparse.Namespace, run: dict[str, Any], out: Path, steps: int
     if code != 0:
         raise RuntimeError(f"run {run['name']} failed (exit {code}); see {log_path}")
     return run_dir
+
+
+def earlier_runs(args: argparse.Namespace, out: Path, steps: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The runs an earlier study into DIR finished (its DIR/study.json) whose saved config, read
+    by today's code (so a key added since takes its default) and bar the job name, is the one this
+    study's config and overrides would give them; and that study's invocations. A rerun with more
+    seeds or another k thus runs only what is new and reports everything; a changed config (or
+    config file) runs everything again."""
+    from async_rlhf.config import ConfigError, load_config
+
+    path = out / "study.json"
+    if not path.exists():
+        return [], []
+    report = json.loads(path.read_text())
+    kept = []
+    for r in report["runs"]:
+        saved = out / "runs" / r["name"] / "config.yaml"
+        try:
+            then = load_config(saved, [f"job={r['name']}"])
+        except ConfigError:  # gone, or holding a key removed since
+            continue
+        now = load_config(args.config, [*args.overrides, *run_overrides(r, out, steps), f"job={r['name']}"])
+        if now == then:
+            kept.append({key: r[key] for key in ("name", "loss", "k", "seed", "wall_s")})
+    return kept, report["invocations"] if kept else []
 
 
 def summarise_run(run_dir: Path, batch_size: int) -> dict[str, Any]:
@@ -153,8 +184,9 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write_markdown(report: dict[str, Any], path: Path) -> None:
-    lines = [f"# Learning under staleness\n", f"`{report['command']}`: {len(report['runs'])} runs in "
-             f"{report['wall_s'] / 60:.1f} min. Held-out reward (greedy, {report['eval_prompts']} prompts; "
+    ran = ", then ".join(f"`{i['command']}` ({i['runs']} runs, {i['wall_s'] / 60:.1f} min)"
+                         for i in report["invocations"])
+    lines = [f"# Learning under staleness\n", f"{ran}: {len(report['runs'])} runs. Held-out reward (greedy, {report['eval_prompts']} prompts; "
              f"a prompt-blind policy scores at most {report['blind_ceiling']}) averaged over versions "
              f"0..{report['cells'][0]['last_version']} (area under the curve / span), mean over seeds "
              "[min, max], and relative to k = 0 (synchronous: at k = 0 the three losses make the same "
@@ -203,11 +235,16 @@ def run(args: argparse.Namespace) -> int:
     if args.parallel < 1:
         raise SystemExit(f"--parallel must be >= 1, got {args.parallel}")
     steps = args.steps or cfg.learner.steps
-    runs = plan(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ensure_model(cfg.model.path, cfg.model.preset, seed=cfg.seed, tokenizer=cfg.model.tokenizer)
     per_run = cfg.learner.ranks * cfg.learner.threads + cfg.generator.count * cfg.generator.threads + 1
+    kept, invocations = earlier_runs(args, out, steps)
+    for r in kept:
+        r.update(summarise_run(out / "runs" / r["name"], cfg.learner.batch_size))
+    todo = [r for r in plan(args) if r["name"] not in {k["name"] for k in kept}]
+    if kept:
+        print(f"{len(kept)} runs of the study in {out} have this config: kept; {len(todo)} to run", flush=True)
     start = time.time()
     with cluster.start_local_cluster(num_cpus=per_run * args.parallel) as head:
         os.environ.update(cluster.ray_env(head.token_path))  # the runs' drivers use its token
@@ -223,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         pool = ThreadPoolExecutor(args.parallel)
         stop_on_signals()
         try:
-            runs = list(pool.map(one, runs))
+            list(pool.map(one, todo))  # each fills in its run
         except BaseException:  # Ctrl-C, SIGTERM or a failed run: stop the others, start no more
             stop.set()
             print("study stopped: ending the runs in progress", file=sys.stderr, flush=True)
@@ -232,9 +269,12 @@ def run(args: argparse.Namespace) -> int:
             pool.shutdown(cancel_futures=True)
     heldout = (examples(cfg.data.task, cfg.eval.seed, cfg.eval.prompts, split="heldout")
                if cfg.data.task == "pick" and isinstance(cfg.eval.prompts, int) else None)
-    report = {"command": "async-rlhf " + " ".join(sys.argv[1:]), "config": args.config,
+    invocations.append({"command": "async-rlhf " + " ".join(sys.argv[1:]), "wall_s": time.time() - start,
+                        "runs": len(todo)})
+    runs = sorted(kept + todo, key=lambda r: (r["k"], list(LOSSES).index(r["loss"]), r["seed"]))
+    report = {"invocations": invocations, "config": args.config,
               "overrides": args.overrides, "steps": steps, "batch_size": cfg.learner.batch_size,
-              "eval_prompts": cfg.eval.prompts, "wall_s": time.time() - start,
+              "eval_prompts": cfg.eval.prompts,
               "blind_ceiling": round(prompt_blind_ceiling(heldout), 3) if heldout else None,
               "cells": aggregate(runs), "runs": runs}
     save(report, out / "study.json", markdown=write_markdown, plot=plot)
