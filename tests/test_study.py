@@ -8,10 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 
-from async_rlhf.launch.study import SYNC, aggregate, area, plan
+from async_rlhf.launch.study import SYNC, aggregate, area, earlier_runs, plan, run_overrides
 from async_rlhf.staleness import lagged_version
 
 
@@ -57,10 +59,37 @@ def test_plan_runs_k0_once_per_seed_for_all_losses():
                      "decoupled-truncate-k4-s1", "naive-k4-s0", "naive-k4-s1"]
 
 
+def test_a_rerun_keeps_the_earlier_runs_whose_config_it_would_run(tmp_path):
+    from async_rlhf.config import load_config
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "study.yaml")
+    out = tmp_path / "study"
+    runs = plan(argparse.Namespace(staleness="0,4", losses="naive", seeds="0"))
+    for r in runs:  # as the earlier study's `train` jobs saved them
+        (out / "runs" / r["name"]).mkdir(parents=True)
+        saved = yaml.safe_load(load_config(config, [*run_overrides(r, out, 200), f"job=study-7-{r['name']}"]).to_yaml())
+        if r["k"] == 4:
+            del saved["generator"]["nice"]  # a key added since: read as its default
+        (out / "runs" / r["name"] / "config.yaml").write_text(yaml.safe_dump(saved))
+        r["wall_s"] = 60.0
+    earlier = [{"command": "async-rlhf study ...", "wall_s": 70.0, "runs": 2}]
+    (out / "study.json").write_text(json.dumps({"runs": runs, "invocations": earlier}))
+
+    same = argparse.Namespace(config=config, overrides=[])
+    kept, invocations = earlier_runs(same, out, 200)
+    assert [r["name"] for r in kept] == ["naive-k0-s0", "naive-k4-s0"] and invocations == earlier
+    assert kept[1] == {"name": "naive-k4-s0", "loss": "naive", "k": 4, "seed": 0, "wall_s": 60.0}
+    assert earlier_runs(argparse.Namespace(config=config, overrides=["learner.lr=2e-3"]), out, 200) == ([], [])
+    assert earlier_runs(same, out, 100) == ([], [])  # other steps
+    (out / "runs" / "naive-k0-s0" / "config.yaml").unlink()
+    assert [r["name"] for r in earlier_runs(same, out, 200)[0]] == ["naive-k4-s0"]
+
+
 @pytest.mark.slow
 def test_reduced_study_realises_k_and_writes_its_report(tmp_path, tiny_actor_model):
     """k in {0, 2}, one loss, one seed, 4 steps of 8 samples: the k = 2 run trains each step on
-    samples exactly min(V, 2) versions old, and the report's three files are written."""
+    samples exactly min(V, 2) versions old, and the report's three files are written. A rerun with
+    a second seed at k = 0 runs that one alone and reports all three."""
     out = tmp_path / "study"
     cmd = [sys.executable, "-m", "async_rlhf.launch.cli", "study", "staleness", "--config", "configs/study.yaml",
            "--out", str(out), "--staleness", "0,2", "--losses", "decoupled-truncate", "--seeds", "0",
@@ -78,6 +107,15 @@ def test_reduced_study_realises_k_and_writes_its_report(tmp_path, tiny_actor_mod
     assert [c["auc_rel"] for c in report["cells"]] == [1.0, pytest.approx(report["cells"][1]["auc_mean"]
                                                                           / report["cells"][0]["auc_mean"])]
     assert (out / "study.png").stat().st_size > 0 and "| decoupled-truncate | 2 |" in (out / "study.md").read_text()
+
+    cmd[cmd.index("--staleness") + 1], cmd[cmd.index("--seeds") + 1] = "0", "0,1"
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    again = json.loads((out / "study.json").read_text())
+    assert [r["name"] for r in again["runs"]] == ["decoupled-truncate-k0-s0", "decoupled-truncate-k0-s1",
+                                                  "decoupled-truncate-k2-s0"]
+    assert [i["runs"] for i in again["invocations"]] == [2, 1]
+    assert [r["curve"] for r in again["runs"] if r["seed"] == 0] == [r["curve"] for r in report["runs"]]
 
 
 @pytest.mark.slow
