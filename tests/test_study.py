@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from async_rlhf.launch.study import SYNC, aggregate, area, earlier_runs, plan, run_overrides
+from async_rlhf.launch.study import SYNC, aggregate, area, earlier_runs, plan, plot, run_overrides
 from async_rlhf.staleness import lagged_version
 
 
@@ -50,6 +50,14 @@ def test_aggregate_compares_every_loss_with_the_one_synchronous_cell():
 def test_aggregate_has_no_ratio_to_a_k0_that_never_learned():
     runs = [{"loss": "a", "k": k, "curve": _curve((0, 0.0), (10, top))} for k, top in [(0, 0.0), (4, 0.5)]]
     assert [c["auc_rel"] for c in aggregate(runs)] == [None, None]
+
+
+@pytest.mark.parametrize("ks", [(0,), (0, 4)])
+def test_the_plot_has_a_panel_per_loss_or_one_for_k0_alone(tmp_path, ks):
+    # the README's two-seed k = 0 study once crashed here: no loss with k > 0 meant zero panels
+    runs = [{"loss": "decoupled-truncate", "k": k, "curve": _curve((0, 0.0), (10, 1.0))} for k in ks]
+    plot({"runs": runs, "batch_size": 64, "blind_ceiling": 0.3}, tmp_path / "study.png")
+    assert (tmp_path / "study.png").stat().st_size > 0
 
 
 def test_plan_runs_k0_once_per_seed_for_all_losses():

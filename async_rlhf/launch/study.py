@@ -203,7 +203,8 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    losses = list(dict.fromkeys(r["loss"] for r in report["runs"] if r["k"] > 0))
+    # a panel per loss compared with k = 0; a study of k = 0 alone gets one panel of its own
+    losses = list(dict.fromkeys(r["loss"] for r in report["runs"] if r["k"] > 0)) or [SYNC]
     ks = sorted({r["k"] for r in report["runs"]})
     with figure(path, 1, len(losses), figsize=(5 * len(losses), 4), sharey=True, squeeze=False, dpi=110) as axes:
         for ax, loss in zip(axes[0], losses):
