@@ -1,4 +1,5 @@
-"""The messages that flow through the system, one frozen dataclass per hop.
+"""The data path's messages, one frozen dataclass per hop (what the parts report about
+themselves, metrics and stats, is in async_rlhf/messages.py).
 
 prompts -> generator -> scorer -> experience queue -> learner -> weight broadcast -> generator
 """

@@ -9,6 +9,9 @@ fresh machine sees: no ~/.ray, no ~/.cache, no ~/.async-rlhf, whatever this mach
 import os
 import shutil
 import tempfile
+import uuid
+
+import pytest  # neither reads the environment: the clearing below still comes first
 
 _PREFIXES = ("RAY_", "VLLM_", "HF_", "TRANSFORMERS_", "TORCH_", "DS_", "ASYNC_RLHF_", "XDG_")
 _NAMES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "GLOO_SOCKET_IFNAME",
@@ -35,13 +38,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# ---- Redis fixtures (buffer/ owners): one real redis-server for the session, a fresh stream
-# name per test. Others: add your fixtures below this block.
-import uuid
-
-import pytest
-
-
+# ---- Redis: one real redis-server for the session, a fresh stream name per test.
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     from buffer.redis_server import EmbeddedRedis

@@ -32,15 +32,18 @@ def _allowed(importer: str, imported: str) -> bool:
     return imported in ("floor", importer)  # a leaf: the floor and itself
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module) for every import in the file, absolute names."""
+def _imports(path: Path, package: str) -> list[tuple[int, str]]:
+    """(line, module) for every import in the file of `package` (its dotted package), absolute
+    names; a relative import is resolved against the package."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
             # `from pkg import mod` may name a submodule: count pkg.mod for each name
-            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
     return found
 
 
@@ -51,7 +54,7 @@ def violations(root: Path) -> list[str]:
         importer = _layer(".".join(p for p in parts if p != "__init__"))
         if importer is None:
             continue  # tests, scripts
-        for line, module in _imports(path):
+        for line, module in _imports(path, ".".join(parts[:-1])):
             if not _allowed(importer, _layer(module)):
                 bad.append(f"{path.relative_to(root)}:{line}: {importer} imports {module}")
     return bad
@@ -65,6 +68,8 @@ def test_imports_run_from_the_wiring_down_to_the_floor():
     ("async_rlhf/types.py", "from actors.tasks import score"),   # the floor imports a leaf
     ("actors/tasks.py", "from async_rlhf.launch import launcher"),  # a leaf imports the wiring
     ("learners/losses.py", "import buffer.codec"),                 # a leaf imports another leaf
+    ("actors/engines/hf_engine.py", "from ...async_rlhf.launch import cli"),  # relative, to the wiring
+    ("async_rlhf/types.py", "from ..actors import tasks"),         # relative, floor to a leaf
 ])
 def test_a_violation_is_caught(tmp_path, where, line):
     for package in ("async_rlhf", *LEAVES):

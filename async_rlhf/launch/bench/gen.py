@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from async_rlhf.launch.bench.harness import figure, in_child, save, warm_then_time
+from async_rlhf.synthetic import PRESETS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=["tiny", "small"], default="small")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--model", default=None,
                         help="model directory (default runs/models/<preset>; built if absent)")
     parser.add_argument("--prompts", type=int, default=128)
