@@ -19,9 +19,9 @@ import dataclasses
 import json
 import math
 import time
-from typing import Any
 
 from async_rlhf.config import Config
+from async_rlhf.messages import EvalResult
 from async_rlhf.protocols import GenerationEngine
 from async_rlhf.types import Prompt
 
@@ -37,28 +37,26 @@ class Evaluator:
         self.engine, self.prompts, self.scorer = engine, prompts, scorer
         self.samples, self.pass_reward = samples, pass_reward
 
-    def evaluate(self) -> dict[str, Any]:
-        """Evaluate the engine's current weights; plain types, keyed as in metrics.jsonl."""
+    def evaluate(self) -> EvalResult:
+        """Evaluate the engine's current weights."""
         start = time.perf_counter()
         version = self.engine.policy_version
         greedy = [group[0] for group in self.engine.generate(self.prompts, 1, greedy=True)]
         scored = self.scorer.score(self.prompts, [s.text for s in greedy])
-        out: dict[str, Any] = {"policy_version": version, "eval_reward": _mean(scored),
-                               "eval_prompts": len(self.prompts)}
         failed = sum(not r.ok for r in scored)
+        sampled_reward = pass_at_k = None
         if self.samples:
             k = self.samples
             groups = self.engine.generate(self.prompts, k)
             sampled = self.scorer.score([p for p in self.prompts for _ in range(k)],
                                         [s.text for group in groups for s in group])
             per_prompt = [sampled[i * k:(i + 1) * k] for i in range(len(self.prompts))]
-            out["eval_reward_sampled"] = _mean(sampled)
-            out[f"eval_pass@{k}"] = sum(any(r.ok and r.reward >= self.pass_reward for r in rs)
-                                        for rs in per_prompt) / len(self.prompts)
+            sampled_reward = _mean(sampled)
+            pass_at_k = sum(any(r.ok and r.reward >= self.pass_reward for r in rs)
+                            for rs in per_prompt) / len(self.prompts)
             failed += sum(not r.ok for r in sampled)
-        out["eval_failed"] = failed
-        out["eval_s"] = time.perf_counter() - start
-        return out
+        return EvalResult(version, _mean(scored), len(self.prompts), failed, time.perf_counter() - start,
+                          samples=self.samples, reward_sampled=sampled_reward, pass_at_k=pass_at_k)
 
 
 def _mean(scored: list[Scored]) -> float:

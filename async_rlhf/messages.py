@@ -1,5 +1,5 @@
 """What the parts report, one frozen dataclass per message: a learner step's metrics, a
-generator's stats, the running job's snapshot (`async-rlhf status`) and the job's summary with
+held-out evaluation, a generator's stats, the running job's snapshot (`async-rlhf status`) and the job's summary with
 the accounting of every group. They cross Ray as they are (pickled); on disk they are flat JSON
 (`to_json` / `from_json`): OUT/metrics.jsonl rows, OUT/summary.json, `status --json`, whose
 keys (and TensorBoard's tags) stay what users' dashboards read. Readers use the fields, so a
@@ -105,6 +105,44 @@ class StepMetrics:
         own["staleness_hist"] = {int(k): v for k, v in row["staleness_hist"].items()}
         own["reward_by_version"] = {int(k): (int(n), float(m)) for k, (n, m) in row["reward_by_version"].items()}
         return cls(**own, times=StepTimes(**times), counts=counts, extra=extra)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One held-out evaluation of one policy version (actors.evaluate.Evaluator): the mean
+    greedy reward over `prompts` held-out prompts; with eval.samples = k > 0 (`samples`), also
+    the mean reward of k samples per prompt at the training temperature and pass@k (None without
+    samples). `failed`: samples whose reward failed, left out of the means. In metrics.jsonl and
+    TensorBoard as eval_reward, eval_prompts, eval_failed, eval_s, eval_reward_sampled and
+    eval_pass@<k>."""
+
+    policy_version: int
+    reward: float
+    prompts: int
+    failed: int
+    seconds: float
+    samples: int = 0
+    reward_sampled: float | None = None
+    pass_at_k: float | None = None
+
+    def scalars(self) -> dict[str, float]:
+        """The eval_* numbers, keyed as in metrics.jsonl and TensorBoard."""
+        out = {"eval_reward": self.reward, "eval_prompts": self.prompts, "eval_failed": self.failed,
+               "eval_s": self.seconds}
+        if self.samples:
+            out |= {"eval_reward_sampled": self.reward_sampled, f"eval_pass@{self.samples}": self.pass_at_k}
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"policy_version": self.policy_version, **self.scalars()}
+
+    @classmethod
+    def from_json(cls, row: Mapping[str, Any]) -> EvalResult:
+        passes = [k for k in row if k.startswith("eval_pass@")]
+        return cls(row["policy_version"], row["eval_reward"], row["eval_prompts"], row["eval_failed"],
+                   row["eval_s"], samples=int(passes[0][len("eval_pass@"):]) if passes else 0,
+                   reward_sampled=row.get("eval_reward_sampled"),
+                   pass_at_k=row[passes[0]] if passes else None)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from actors.prompts import TASK_POOL_SIZE, load_records
 from actors.rewards import Scorer
 from actors.tasks import PICK_LETTERS, TASKS, examples, is_heldout, prompt_blind_ceiling, score
 from async_rlhf.config import ConfigError, DataConfig, load_config
+from async_rlhf.messages import EvalResult
 from async_rlhf.types import Prompt, Sample
 
 
@@ -101,9 +102,14 @@ def test_evaluator_scores_greedy_and_pass_at_k():
     prompts = [Prompt(str(i), (1,), f"pick 1 {c}=", c) for i, c in enumerate("abcd")]
     scorer = Scorer.from_specs(load_config().rewards)
     out = Evaluator(_ScriptedEngine(["zz", "a", "bb"]), prompts, scorer, samples=3).evaluate()
-    assert out["policy_version"] == 7 and out["eval_prompts"] == 4 and out["eval_failed"] == 0
-    assert out["eval_reward"] == 0.5  # prompts 0 and 2 answered
-    assert out["eval_pass@3"] == 0.5  # "a" passes prompt a, "bb" prompt b
-    assert out["eval_reward_sampled"] == pytest.approx(2 / 12)
+    assert out.policy_version == 7 and out.prompts == 4 and out.failed == 0
+    assert out.reward == 0.5  # prompts 0 and 2 answered
+    assert out.pass_at_k == 0.5  # "a" passes prompt a, "bb" prompt b
+    assert out.reward_sampled == pytest.approx(2 / 12)
+    assert set(out.scalars()) == {"eval_reward", "eval_prompts", "eval_failed", "eval_s", "eval_reward_sampled",
+                                  "eval_pass@3"}  # metrics.jsonl's and TensorBoard's keys
+    assert EvalResult.from_json(out.to_json()) == out
     greedy_only = Evaluator(_ScriptedEngine([]), prompts, scorer).evaluate()
-    assert "eval_pass@0" not in greedy_only and "eval_reward_sampled" not in greedy_only
+    assert greedy_only.pass_at_k is None and greedy_only.reward_sampled is None
+    assert set(greedy_only.scalars()) == {"eval_reward", "eval_prompts", "eval_failed", "eval_s"}
+    assert EvalResult.from_json(greedy_only.to_json()) == greedy_only

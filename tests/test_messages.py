@@ -15,7 +15,7 @@ from async_rlhf.launch.bench.report import summarise
 from async_rlhf.launch.jobctl import JobStatus
 from async_rlhf.launch.metrics import MetricsLog, StepRecord
 from async_rlhf.launch.study import summarise_run
-from async_rlhf.messages import (Accounting, CoordinatorSnapshot, GeneratorStats, GeneratorTotals, JobSnapshot,
+from async_rlhf.messages import (Accounting, CoordinatorSnapshot, EvalResult, GeneratorStats, GeneratorTotals, JobSnapshot,
                                  JobSummary, LearnerStatus, StepMetrics, StepTimes, not_trained)
 
 
@@ -97,7 +97,7 @@ def test_a_job_record_reaches_metrics_jsonl_tensorboard_the_console_and_the_benc
     gens = [_gen(), _gen(generator_id="gen-1", tokens=20, tokens_per_s=20.0)]
     rows = [StepRecord.of(_step(v), time=10.0 * v, step_s=4.0, gen_stats=[dataclasses.replace(
                 g, tokens=g.tokens * v, idle_s=g.idle_s * v, generate_s=g.generate_s * v) for g in gens],
-                          generators=2, evals=[{"policy_version": v, "eval_reward": 0.5}] if v == 4 else [])
+                          generators=2, evals=[EvalResult(v, 0.5, 6, 0, 1.5)] if v == 4 else [])
             for v in range(1, 5)]
     assert rows[0].gen_totals.tokens == 500 and rows[0].gen_tokens_per_s == 100.0
     _write_run(tmp_path, rows)

@@ -32,7 +32,7 @@ from async_rlhf.config import Config
 from async_rlhf.launch.cli import add_config_arguments, config_from_args
 from async_rlhf.launch.metrics import MetricsLog, StepRecord
 from async_rlhf.launch.stream import JobStream
-from async_rlhf.messages import GeneratorStats, JobSnapshot, JobSummary, LearnerStatus, StepMetrics
+from async_rlhf.messages import EvalResult, GeneratorStats, JobSnapshot, JobSummary, LearnerStatus, StepMetrics
 from async_rlhf.procs import stop_on_signals
 
 log = logging.getLogger("async_rlhf")
@@ -422,7 +422,7 @@ class Job:
             print(f"not restarting {gid}: generator.max_restarts={budget} restarts spent",
                   file=sys.stderr)
 
-    def _evaluations(self, version: int, last: bool) -> list[dict[str, Any]]:
+    def _evaluations(self, version: int, last: bool) -> list[EvalResult]:
         """Held-out evaluations finished since the last step (at the last step, after that
         version's own), each logged at the version it evaluated."""
         if self.evaluator is None:

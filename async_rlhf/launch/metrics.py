@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from async_rlhf.messages import GeneratorStats, GeneratorTotals, StepMetrics
+from async_rlhf.messages import EvalResult, GeneratorStats, GeneratorTotals, StepMetrics
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class StepRecord:
     `time`: seconds from the command's start to the step's end; `step_s`: the step's seconds as
     the launcher saw them; gen_*: the generators' stats as of the last tick (gen_totals since
     they started, summed over generators); `generators`: how many are alive; `evals`: held-out
-    evaluations finished since the last step (actors.evaluate: open-ended eval_* keys)."""
+    evaluations finished since the last step."""
 
     metrics: StepMetrics
     time: float
@@ -28,11 +28,11 @@ class StepRecord:
     gen_tokens_per_s: float
     gen_totals: GeneratorTotals
     generators: int
-    evals: tuple[Mapping[str, Any], ...] = ()
+    evals: tuple[EvalResult, ...] = ()
 
     @classmethod
     def of(cls, m: StepMetrics, *, time: float, step_s: float, gen_stats: Iterable[GeneratorStats],
-           generators: int, evals: Iterable[Mapping[str, Any]] = ()) -> StepRecord:
+           generators: int, evals: Iterable[EvalResult] = ()) -> StepRecord:
         gen_stats = list(gen_stats)
         return cls(m, time=round(time, 3), step_s=step_s,
                    gen_tokens_per_s=sum(s.tokens_per_s for s in gen_stats),
@@ -53,7 +53,7 @@ class StepRecord:
                "gen_tokens_per_s": self.gen_tokens_per_s, "gen_totals": dataclasses.asdict(self.gen_totals),
                "generators": self.generators, **self.metrics.to_json()}
         if self.evals:
-            row["evals"] = [dict(e) for e in self.evals]
+            row["evals"] = [e.to_json() for e in self.evals]
         return row
 
     @classmethod
@@ -63,7 +63,7 @@ class StepRecord:
         return cls(StepMetrics.from_json({k: v for k, v in row.items() if k not in job}),
                    time=row["time"], step_s=row["step_s"], gen_tokens_per_s=row["gen_tokens_per_s"],
                    gen_totals=GeneratorTotals(**row["gen_totals"]), generators=row["generators"],
-                   evals=tuple(row.get("evals", ())))
+                   evals=tuple(EvalResult.from_json(e) for e in row.get("evals", ())))
 
     def scalars(self) -> dict[str, float]:
         """TensorBoard's tags and values: the row's numbers."""
@@ -92,14 +92,12 @@ class MetricsLog:
             self.tb.add_scalar(key, value, record.metrics.version)
         print(record.console_line(self.steps), flush=True)
 
-    def evaluation(self, e: Mapping[str, Any]) -> None:
-        for key, value in e.items():
-            if key.startswith("eval_"):
-                self.tb.add_scalar(key, value, e["policy_version"])
-        extra = "".join(f"  {k[5:]} {v:.3f}" for k, v in e.items()
-                        if k.startswith(("eval_pass@", "eval_reward_s")))
-        print(f"eval v{e['policy_version']:>4}  reward {e['eval_reward']:.3f} (greedy, "
-              f"{e['eval_prompts']} held-out prompts){extra}  {e['eval_s']:.1f} s", flush=True)
+    def evaluation(self, e: EvalResult) -> None:
+        for key, value in e.scalars().items():
+            self.tb.add_scalar(key, value, e.policy_version)
+        extra = f"  reward_sampled {e.reward_sampled:.3f}  pass@{e.samples} {e.pass_at_k:.3f}" if e.samples else ""
+        print(f"eval v{e.policy_version:>4}  reward {e.reward:.3f} (greedy, {e.prompts} held-out "
+              f"prompts){extra}  {e.seconds:.1f} s", flush=True)
 
     def close(self) -> None:
         self.jsonl.close()

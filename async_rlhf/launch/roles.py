@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rlhf.config import Config
-from async_rlhf.messages import CoordinatorSnapshot, GeneratorStats, JobSnapshot, StepMetrics
+from async_rlhf.messages import CoordinatorSnapshot, EvalResult, GeneratorStats, JobSnapshot, StepMetrics
 from async_rlhf.staleness import StalenessGate, lagged_version
 from async_rlhf.weight_sync import SyncAddress, WeightBroadcaster, WeightReceiver, WeightUpdate
 
@@ -242,7 +242,7 @@ class EvalWorker:
 
         self.every = cfg.eval.every
         self.evaluator = make_evaluator(cfg)
-        self.results: list[dict[str, Any]] = []  # finished, not yet taken
+        self.results: list[EvalResult] = []  # finished, not yet taken
         self.error = ""
         self.skipped = 0
         self._newest: WeightUpdate | None = None
@@ -289,13 +289,13 @@ class EvalWorker:
                     self.results.append(result)
                 self._cond.notify_all()
 
-    def take_results(self) -> list[dict[str, Any]]:
+    def take_results(self) -> list[EvalResult]:
         """Evaluations finished since the last call, oldest first."""
         with self._cond:
             results, self.results = self.results, []
         return results
 
-    def finish(self, version: int, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    def finish(self, version: int, timeout_s: float = 300.0) -> list[EvalResult]:
         """Evaluate `version` (the job's last) once its weights are here, if not done or due
         yet; then take_results()."""
         with self._cond:

@@ -138,15 +138,15 @@ def earlier_runs(args: argparse.Namespace, out: Path, steps: int) -> tuple[list[
 def summarise_run(run_dir: Path, batch_size: int) -> dict[str, Any]:
     """One run's held-out curve and realised staleness, from its metrics.jsonl."""
     rows = [StepRecord.from_json(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = sorted((e for r in rows for e in r.evals), key=lambda e: e["policy_version"])
+    evals = sorted((e for r in rows for e in r.evals), key=lambda e: e.policy_version)
     hist: Counter[int] = Counter()
     for r in rows:
         hist.update(r.metrics.staleness_hist)
     summary = JobSummary.from_json(json.loads((run_dir / "summary.json").read_text()))
     acc = summary.accounting
     return {
-        "curve": [{"version": e["policy_version"], "samples": e["policy_version"] * batch_size,
-                   "eval_reward": e["eval_reward"]} for e in evals],
+        "curve": [{"version": e.policy_version, "samples": e.policy_version * batch_size,
+                   "eval_reward": e.reward} for e in evals],
         "staleness_hist": dict(sorted(hist.items())),
         "steps": len(rows), "lost": acc.lost if acc else None,
         "dropped_stale": acc.dropped_stale if acc else None,
@@ -186,7 +186,7 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def write_markdown(report: dict[str, Any], path: Path) -> None:
     ran = ", then ".join(f"`{i['command']}` ({i['runs']} runs, {i['wall_s'] / 60:.1f} min)"
                          for i in report["invocations"])
-    lines = [f"# Learning under staleness\n", f"{ran}: {len(report['runs'])} runs. Held-out reward (greedy, {report['eval_prompts']} prompts; "
+    lines = ["# Learning under staleness\n", f"{ran}: {len(report['runs'])} runs. Held-out reward (greedy, {report['eval_prompts']} prompts; "
              f"a prompt-blind policy scores at most {report['blind_ceiling']}) averaged over versions "
              f"0..{report['cells'][0]['last_version']} (area under the curve / span), mean over seeds "
              "[min, max], and relative to k = 0 (synchronous: at k = 0 the three losses make the same "
