@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,10 +24,35 @@ os.execv(sys.argv[2], sys.argv[2:])
 
 
 def free_port() -> int:
-    """A TCP port free on the loopback interface right now."""
+    """A TCP port free on the loopback interface right now, drawn from below the kernel's
+    ephemeral range. A port the kernel hands out for bind(0) or connect() may go to any process
+    between this call and the server's bind (seen: Ray's client server lost its port so, 3 s
+    after the head started, and the head went down with it); a port below that range is only
+    taken by a process that asks for it by number. Where the range starts too low for that, the
+    kernel picks."""
+    low = _ephemeral_start()
+    for _ in range(100 if low > _PORT_FLOOR + 1000 else 0):
+        port = _rng.randrange(_PORT_FLOOR, low)
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:  # in use
+                continue
+            return port
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+_PORT_FLOOR = 10000  # below: the well-known and commonly configured service ports
+_rng = random.SystemRandom()  # not the random module's: processes that seed it alike would collide
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def die_with_parent(cmd: list[str]) -> list[str]:
