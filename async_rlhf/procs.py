@@ -44,7 +44,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_PORT_FLOOR = 10000  # below: the well-known and commonly configured service ports
+# Below: well-known service ports, and Ray's worker ports (`ray start --min-worker-port`
+# 10002 to --max-worker-port 19999), which Ray binds by number and refuses for its other parts.
+_PORT_FLOOR = 20000
 _rng = random.SystemRandom()  # not the random module's: processes that seed it alike would collide
 
 
