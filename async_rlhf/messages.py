@@ -1,12 +1,11 @@
-"""What the parts report, one frozen dataclass per message: a learner step's metrics, a
-held-out evaluation, a generator's stats, the running job's snapshot (`async-rlhf status`) and the job's summary with
-the accounting of every group. They cross Ray as they are (pickled); on disk they are flat JSON
-(`to_json` / `from_json`): OUT/metrics.jsonl rows, OUT/summary.json, `status --json`, whose
-keys (and TensorBoard's tags) stay what users' dashboards read. Readers use the fields, so a
-renamed one fails where it is read, in the fast tests (tests/test_messages.py), not at the end
-of a long run. An `extra` or counter mapping holds what is open-ended (stats that only some
-configs have, counts by reason).
-"""
+"""What the parts report, one frozen dataclass per message: a learner step's metrics, a held-out
+evaluation, a generator's stats, the running job's snapshot (`async-rlhf status`) and the job's
+summary with the accounting of every group. They cross Ray as they are (pickled); on disk they
+are flat JSON (`to_json` / `from_json`): OUT/metrics.jsonl rows, OUT/summary.json, `status
+--json`, whose keys (and TensorBoard's tags) stay what users' dashboards read. Readers use the
+fields, so a renamed one fails where it is read, in the fast tests (tests/test_messages.py), not
+at the end of a long run. An `extra` or counter mapping holds what is open-ended (stats that
+only some configs have, counts by reason)."""
 
 from __future__ import annotations
 

@@ -31,14 +31,15 @@ def free_port() -> int:
     taken by a process that asks for it by number. Where the range starts too low for that, the
     kernel picks."""
     low = _ephemeral_start()
-    for _ in range(100 if low > _PORT_FLOOR + 1000 else 0):
-        port = _rng.randrange(_PORT_FLOOR, low)
-        with socket.socket() as s:
-            try:
-                s.bind((LOOPBACK, port))
-            except OSError:  # in use
-                continue
-            return port
+    if low - _PORT_FLOOR > 1000:
+        for _ in range(100):
+            port = _rng.randrange(_PORT_FLOOR, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((LOOPBACK, port))
+                except OSError:  # in use
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
