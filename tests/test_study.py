@@ -25,8 +25,8 @@ def test_lagged_version_generates_with_the_version_k_behind():
     assert lagged_version([7], 7, 4) == 7  # joined late: the oldest it has, never one it lacks
 
 
-def _curve(*points):
-    return [{"version": v, "eval_reward": r} for v, r in points]
+def _curve(*points, key="eval_reward"):
+    return [{"version": v, key: r} for v, r in points]
 
 
 def test_area_is_the_mean_reward_over_the_versions():
@@ -34,6 +34,18 @@ def test_area_is_the_mean_reward_over_the_versions():
     assert area(_curve((0, 0.2), (5, 0.2), (10, 0.8), (15, 1.0)), 10) == pytest.approx(0.35)
     with pytest.raises(ValueError, match="from version 0 to 10"):
         area(_curve((5, 0.2), (10, 0.8)), 10)
+    assert area(_curve((0, 0.0), (10, 1.0), key="eval_reward_sampled"), 10, "eval_reward_sampled") == 0.5
+
+
+def test_aggregate_compares_the_sampled_and_the_greedy_curves_each_on_its_own():
+    # greedy flips by a quarter at a time; the sampled reward of the same policy moves smoothly
+    runs = [{"loss": "a", "k": k, "curve": [{"version": v, "eval_reward": g, "eval_reward_sampled": s}
+                                             for v, g, s in points]}
+            for k, points in [(0, [(0, 0.0, 0.2), (10, 1.0, 0.6)]), (4, [(0, 0.0, 0.2), (10, 0.25, 0.5)])]]
+    sampled, greedy = aggregate(runs, "sampled"), aggregate(runs, "greedy")
+    assert [c["metric"] for c in sampled + greedy] == ["sampled"] * 2 + ["greedy"] * 2
+    assert sampled[1]["auc_rel"] == pytest.approx(0.35 / 0.4) and greedy[1]["auc_rel"] == pytest.approx(0.25)
+    assert runs[1]["auc"] == {"sampled": pytest.approx(0.35), "greedy": pytest.approx(0.125)}
 
 
 def test_aggregate_compares_every_loss_with_the_one_synchronous_cell():
@@ -56,7 +68,7 @@ def test_aggregate_has_no_ratio_to_a_k0_that_never_learned():
 def test_the_plot_has_a_panel_per_loss_or_one_for_k0_alone(tmp_path, ks):
     # the README's two-seed k = 0 study once crashed here: no loss with k > 0 meant zero panels
     runs = [{"loss": "decoupled-truncate", "k": k, "curve": _curve((0, 0.0), (10, 1.0))} for k in ks]
-    plot({"runs": runs, "batch_size": 64, "blind_ceiling": 0.3}, tmp_path / "study.png")
+    plot({"runs": runs, "batch_size": 64, "blind_ceiling": 0.3, "metrics": ["greedy"]}, tmp_path / "study.png")
     assert (tmp_path / "study.png").stat().st_size > 0
 
 
@@ -112,9 +124,13 @@ def test_reduced_study_realises_k_and_writes_its_report(tmp_path, tiny_actor_mod
     assert hists == {0: {"0": 32}, 2: {"0": 8, "1": 8, "2": 16}}
     for r in report["runs"]:
         assert [c["version"] for c in r["curve"]] == [0, 2, 4] and r["lost"] == 0
-    assert [c["auc_rel"] for c in report["cells"]] == [1.0, pytest.approx(report["cells"][1]["auc_mean"]
-                                                                          / report["cells"][0]["auc_mean"])]
-    assert (out / "study.png").stat().st_size > 0 and "| decoupled-truncate | 2 |" in (out / "study.md").read_text()
+    cells = report["cells"]  # configs/study.yaml samples (eval.samples): the sampled curve, then the greedy
+    assert [(c["metric"], c["k"]) for c in cells] == [("sampled", 0), ("sampled", 2), ("greedy", 0), ("greedy", 2)]
+    for base, stale in (cells[:2], cells[2:]):
+        assert base["auc_rel"] == 1.0 and stale["auc_rel"] == pytest.approx(stale["auc_mean"] / base["auc_mean"])
+    assert all(c["eval_reward_sampled"] is not None for r in report["runs"] for c in r["curve"])
+    md = (out / "study.md").read_text()
+    assert (out / "study.png").stat().st_size > 0 and "| sampled | decoupled-truncate | 2 |" in md
 
     cmd[cmd.index("--staleness") + 1], cmd[cmd.index("--seeds") + 1] = "0", "0,1"
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)

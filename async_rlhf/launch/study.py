@@ -19,10 +19,14 @@ The price is that generation and training take turns within a run, which a study
 sample does not mind. Each run's realised staleness histogram (per sample, over all steps) is
 reported.
 
-The curve: the greedy held-out reward (eval.every, eval.prompts) against trained samples
-(version x learner.batch_size). The area under it over versions 0..N, divided by the span
-(the mean held-out reward over training), is compared with k = 0 (`auc_rel`: the seed means' ratio;
-one set of k = 0 runs serves every loss, see `plan`). Runs share one local Ray cluster (a head per run would cost
+The curve: the held-out reward (eval.every, eval.prompts) against trained samples (version x
+learner.batch_size). With eval.samples > 0 the study compares the sampled reward (the policy's
+expected reward at the training temperature, mean of eval.samples samples per prompt), and the
+greedy reward too; without, the greedy reward alone. Greedy decoding moves in steps (on `pick`,
+a quarter of the prompts at a time as each letter's argmax flips), the sampled reward moves with
+the policy. The area under a curve over versions 0..N, divided by the span (the mean held-out
+reward over training), is compared with k = 0 (`auc_rel`: the seed means' ratio; one set of
+k = 0 runs serves every loss, see `plan`). Runs share one local Ray cluster (a head per run would cost
 its start-up each time) and run --parallel at a time. Writes DIR/study.json, DIR/study.md,
 DIR/study.png; each run keeps its directory and log under DIR/runs/. A rerun into the same DIR
 adds to the study: the runs its study.json holds with the same resolved config are kept, so more
@@ -50,6 +54,9 @@ from async_rlhf.messages import JobSummary
 from async_rlhf.procs import run_child, stop_on_signals
 
 SYNC = "synchronous"  # the k = 0 cell, the baseline of every loss
+CURVES = {"sampled": "eval_reward_sampled", "greedy": "eval_reward"}  # metric -> its curve's key
+DESCRIBE = {"sampled": "sampled: the mean of {samples} samples per prompt at the training temperature",
+            "greedy": "greedy"}
 LOSSES = {  # name -> (learner.ratio_to, learner.correction)
     "decoupled-truncate": ("prox", "truncate"),
     "decoupled-mask": ("prox", "mask"),
@@ -146,7 +153,7 @@ def summarise_run(run_dir: Path, batch_size: int) -> dict[str, Any]:
     acc = summary.accounting
     return {
         "curve": [{"version": e.policy_version, "samples": e.policy_version * batch_size,
-                   "eval_reward": e.reward} for e in evals],
+                   "eval_reward": e.reward, "eval_reward_sampled": e.reward_sampled} for e in evals],
         "staleness_hist": dict(sorted(hist.items())),
         "steps": len(rows), "lost": acc.lost if acc else None,
         "dropped_stale": acc.dropped_stale if acc else None,
@@ -154,27 +161,27 @@ def summarise_run(run_dir: Path, batch_size: int) -> dict[str, Any]:
     }
 
 
-def area(curve: list[dict[str, Any]], last: int) -> float:
-    """Mean held-out reward over versions 0..last: the trapezoid area under the curve divided by
-    its span (points beyond `last` are left out)."""
-    pts = [(c["version"], c["eval_reward"]) for c in curve if c["version"] <= last]
+def area(curve: list[dict[str, Any]], last: int, key: str = "eval_reward") -> float:
+    """Mean held-out reward (`key` of each point) over versions 0..last: the trapezoid area under
+    the curve divided by its span (points beyond `last` are left out)."""
+    pts = [(c["version"], c[key]) for c in curve if c["version"] <= last]
     if len(pts) < 2 or pts[0][0] != 0 or pts[-1][0] != last:
         raise ValueError(f"the curve must run from version 0 to {last}, got versions {[v for v, _ in pts]}")
     return sum((b[0] - a[0]) * (a[1] + b[1]) / 2 for a, b in zip(pts, pts[1:])) / last
 
 
-def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (loss, k): the seeds' areas, their mean and spread, and the mean relative to k = 0."""
+def aggregate(runs: list[dict[str, Any]], metric: str = "greedy") -> list[dict[str, Any]]:
+    """Per (loss, k): the seeds' areas under the `metric` curve (each run's in its auc[metric]),
+    their mean and spread, and the mean relative to k = 0."""
     last = min(r["curve"][-1]["version"] for r in runs)  # the versions every run evaluated
-    for r in runs:
-        r["auc"] = area(r["curve"], last)
     cells: dict[tuple[str, int], list[float]] = {}
     for r in runs:
-        cells.setdefault((SYNC if r["k"] == 0 else r["loss"], r["k"]), []).append(r["auc"])
+        r.setdefault("auc", {})[metric] = area(r["curve"], last, CURVES[metric])
+        cells.setdefault((SYNC if r["k"] == 0 else r["loss"], r["k"]), []).append(r["auc"][metric])
     base = cells.get((SYNC, 0))
     out = []
     for (loss, k), aucs in sorted(cells.items(), key=lambda c: (c[0][1] > 0, c[0])):
-        out.append({"loss": loss, "k": k, "seeds": len(aucs), "auc_mean": statistics.mean(aucs),
+        out.append({"metric": metric, "loss": loss, "k": k, "seeds": len(aucs), "auc_mean": statistics.mean(aucs),
                     "auc_min": min(aucs), "auc_max": max(aucs),
                     "auc_sd": statistics.stdev(aucs) if len(aucs) > 1 else 0.0,
                     # None without a k = 0 cell, or one that never left 0 (nothing to be relative to)
@@ -186,19 +193,23 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def write_markdown(report: dict[str, Any], path: Path) -> None:
     ran = ", then ".join(f"`{i['command']}` ({i['runs']} runs, {i['wall_s'] / 60:.1f} min)"
                          for i in report["invocations"])
-    lines = ["# Learning under staleness\n", f"{ran}: {len(report['runs'])} runs. Held-out reward (greedy, {report['eval_prompts']} prompts; "
-             f"a prompt-blind policy scores at most {report['blind_ceiling']}) averaged over versions "
-             f"0..{report['cells'][0]['last_version']} (area under the curve / span), mean over seeds "
-             "[min, max], and relative to k = 0 (synchronous: at k = 0 the three losses make the same "
-             "update, so one set of runs serves them all).\n",
-             "| loss | k | seeds | area | [min, max] | vs k = 0 |", "|---|---|---|---|---|---|"]
+    metrics = report["metrics"]
+    lines = ["# Learning under staleness\n", f"{ran}: {len(report['runs'])} runs. Held-out reward ("
+             + " and ".join(DESCRIBE[m].format(samples=report["eval_samples"]) for m in metrics)
+             + f", {report['eval_prompts']} prompts; a prompt-blind policy scores at most {report['blind_ceiling']}) "
+             f"averaged over versions 0..{report['cells'][0]['last_version']} (area under the curve / span), "
+             "mean over seeds [min, max], and relative to k = 0 (synchronous: at k = 0 the three losses make "
+             "the same update, so one set of runs serves them all).\n",
+             "| metric | loss | k | seeds | area | [min, max] | vs k = 0 |", "|---|---|---|---|---|---|---|"]
     for c in report["cells"]:
         rel = "-" if c["auc_rel"] is None else f"{c['auc_rel']:.3f}"
-        lines.append(f"| {c['loss']} | {c['k']} | {c['seeds']} | {c['auc_mean']:.3f} | "
+        lines.append(f"| {c['metric']} | {c['loss']} | {c['k']} | {c['seeds']} | {c['auc_mean']:.3f} | "
                      f"[{c['auc_min']:.3f}, {c['auc_max']:.3f}] | {rel} |")
-    lines += ["", "Realised staleness per run (samples by versions old, over all steps):", "",
-              "| run | staleness histogram | steps | wall s |", "|---|---|---|---|"]
-    lines += [f"| {r['name']} | {r['staleness_hist']} | {r['steps']} | {r['wall_s']:.0f} |" for r in report["runs"]]
+    lines += ["", "Each run's area and realised staleness (samples by versions old, over all steps):", "",
+              f"| run | area ({' / '.join(metrics)}) | staleness histogram | steps | wall s |", "|---|---|---|---|---|"]
+    for r in report["runs"]:
+        areas = " / ".join(f"{r['auc'][m]:.3f}" for m in metrics)
+        lines.append(f"| {r['name']} | {areas} | {r['staleness_hist']} | {r['steps']} | {r['wall_s']:.0f} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -206,6 +217,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     # a panel per loss compared with k = 0; a study of k = 0 alone gets one panel of its own
     losses = list(dict.fromkeys(r["loss"] for r in report["runs"] if r["k"] > 0)) or [SYNC]
     ks = sorted({r["k"] for r in report["runs"]})
+    metric = report["metrics"][0]
+    key = CURVES[metric]
     with figure(path, 1, len(losses), figsize=(5 * len(losses), 4), sharey=True, squeeze=False, dpi=110) as axes:
         for ax, loss in zip(axes[0], losses):
             for k in ks:
@@ -214,13 +227,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
                     continue
                 versions = sorted(set.intersection(*({c["version"] for c in curve} for curve in curves)))
                 x = [v * report["batch_size"] for v in versions]
-                ys = [[{c["version"]: c["eval_reward"] for c in curve}[v] for curve in curves] for v in versions]
+                ys = [[{c["version"]: c[key] for c in curve}[v] for curve in curves] for v in versions]
                 (line,) = ax.plot(x, [statistics.mean(y) for y in ys], label=f"k = {k}")
                 ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
             ax.axhline(report["blind_ceiling"], color="grey", linestyle=":", label="prompt-blind ceiling")
             ax.set_title(loss)
             ax.set_xlabel("trained samples")
-        axes[0][0].set_ylabel("held-out reward (greedy); band: seeds' min-max")
+        axes[0][0].set_ylabel(f"held-out reward ({metric}); band: seeds' min-max")
         axes[0][0].legend()
 
 
@@ -273,10 +286,11 @@ def run(args: argparse.Namespace) -> int:
     invocations.append({"command": "async-rlhf " + " ".join(sys.argv[1:]), "wall_s": time.time() - start,
                         "runs": len(todo)})
     runs = sorted(kept + todo, key=lambda r: (r["k"], list(LOSSES).index(r["loss"]), r["seed"]))
+    metrics = ["sampled", "greedy"] if cfg.eval.samples else ["greedy"]  # the first is the plot's
     report = {"invocations": invocations, "config": args.config,
               "overrides": args.overrides, "steps": steps, "batch_size": cfg.learner.batch_size,
-              "eval_prompts": cfg.eval.prompts,
+              "eval_prompts": cfg.eval.prompts, "eval_samples": cfg.eval.samples, "metrics": metrics,
               "blind_ceiling": round(prompt_blind_ceiling(heldout), 3) if heldout else None,
-              "cells": aggregate(runs), "runs": runs}
+              "cells": [c for m in metrics for c in aggregate(runs, m)], "runs": runs}
     save(report, out / "study.json", markdown=write_markdown, plot=plot)
     return 0
