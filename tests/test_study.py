@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from async_rlhf.launch.study import SYNC, aggregate, area, earlier_runs, plan, plot, run_overrides
+from async_rlhf.launch.study import SYNC, aggregate, area, earlier_runs, plan, plot, run_overrides, write_markdown
 from async_rlhf.staleness import lagged_version
 
 
@@ -30,10 +30,10 @@ def _curve(*points, key="eval_reward"):
 
 
 def test_area_is_the_mean_reward_over_the_versions():
-    assert area(_curve((0, 0.0), (10, 1.0)), 10) == pytest.approx(0.5)
-    assert area(_curve((0, 0.2), (5, 0.2), (10, 0.8), (15, 1.0)), 10) == pytest.approx(0.35)
+    assert area(_curve((0, 0.0), (10, 1.0)), 10, "eval_reward") == pytest.approx(0.5)
+    assert area(_curve((0, 0.2), (5, 0.2), (10, 0.8), (15, 1.0)), 10, "eval_reward") == pytest.approx(0.35)
     with pytest.raises(ValueError, match="from version 0 to 10"):
-        area(_curve((5, 0.2), (10, 0.8)), 10)
+        area(_curve((5, 0.2), (10, 0.8)), 10, "eval_reward")
     assert area(_curve((0, 0.0), (10, 1.0), key="eval_reward_sampled"), 10, "eval_reward_sampled") == 0.5
 
 
@@ -51,7 +51,7 @@ def test_aggregate_compares_the_sampled_and_the_greedy_curves_each_on_its_own():
 def test_aggregate_compares_every_loss_with_the_one_synchronous_cell():
     runs = [{"loss": loss, "k": k, "curve": _curve((0, 0.0), (10, top), (20, 1.0))}
             for loss, k, top in [("a", 0, 1.0), ("a", 0, 0.6), ("a", 4, 0.6), ("b", 4, 0.2)]]
-    cells = {(c["loss"], c["k"]): c for c in aggregate(runs)}
+    cells = {(c["loss"], c["k"]): c for c in aggregate(runs, "greedy")}
     assert list(cells)[0] == (SYNC, 0) and len(cells) == 3
     # area of (0, 0), (10, top), (20, 1) over 0..20: (2 top + 1) / 4
     assert cells[(SYNC, 0)]["auc_mean"] == pytest.approx(0.65) and cells[(SYNC, 0)]["seeds"] == 2
@@ -59,9 +59,25 @@ def test_aggregate_compares_every_loss_with_the_one_synchronous_cell():
     assert cells[("b", 4)]["auc_rel"] == pytest.approx(0.35 / 0.65) and cells[("b", 4)]["auc_sd"] == 0.0
 
 
+@pytest.mark.parametrize("metrics", [["sampled", "greedy"], ["greedy"]])
+def test_the_markdown_has_a_row_per_metric_and_cell_and_each_runs_areas(tmp_path, metrics):
+    runs = [{"name": f"x-k{k}-s0", "loss": "x", "k": k, "steps": 10, "wall_s": 60.0, "staleness_hist": {k: 64},
+             "curve": [{"version": 0, "eval_reward": 0.0, "eval_reward_sampled": 0.2},
+                       {"version": 10, "eval_reward": top, "eval_reward_sampled": 0.6}]} for k, top in [(0, 1.0), (4, 0.5)]]
+    report = {"invocations": [{"command": "async-rlhf study ...", "wall_s": 120.0, "runs": 2}], "runs": runs,
+              "eval_prompts": 64, "eval_samples": 8, "blind_ceiling": 0.328, "metrics": metrics,
+              "cells": [c for m in metrics for c in aggregate(runs, m)]}
+    write_markdown(report, tmp_path / "study.md")
+    md = (tmp_path / "study.md").read_text()
+    assert ("mean of 8 samples per prompt" in md) == ("sampled" in metrics)
+    assert "| greedy | x | 4 | 1 | 0.250 | [0.250, 0.250] | 0.500 |" in md
+    assert ("| sampled | x | 4 | 1 | 0.400 | [0.400, 0.400] | 1.000 |" in md) == ("sampled" in metrics)
+    assert f"| x-k4-s0 | {'0.400 / ' if 'sampled' in metrics else ''}0.250 | {{4: 64}} | 10 | 60 |" in md
+
+
 def test_aggregate_has_no_ratio_to_a_k0_that_never_learned():
     runs = [{"loss": "a", "k": k, "curve": _curve((0, 0.0), (10, top))} for k, top in [(0, 0.0), (4, 0.5)]]
-    assert [c["auc_rel"] for c in aggregate(runs)] == [None, None]
+    assert [c["auc_rel"] for c in aggregate(runs, "greedy")] == [None, None]
 
 
 @pytest.mark.parametrize("ks", [(0,), (0, 4)])

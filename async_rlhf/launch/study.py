@@ -45,7 +45,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from async_rlhf.launch.bench.harness import figure, save
 from async_rlhf.launch.cli import int_list
@@ -54,9 +54,10 @@ from async_rlhf.messages import JobSummary
 from async_rlhf.procs import run_child, stop_on_signals
 
 SYNC = "synchronous"  # the k = 0 cell, the baseline of every loss
-CURVES = {"sampled": "eval_reward_sampled", "greedy": "eval_reward"}  # metric -> its curve's key
-DESCRIBE = {"sampled": "sampled: the mean of {samples} samples per prompt at the training temperature",
-            "greedy": "greedy"}
+Metric = Literal["sampled", "greedy"]
+CURVES: dict[Metric, str] = {"sampled": "eval_reward_sampled", "greedy": "eval_reward"}  # each curve's key
+DESCRIBE: dict[Metric, str] = {"sampled": "sampled: the mean of {samples} samples per prompt at the training "
+                               "temperature", "greedy": "greedy"}
 LOSSES = {  # name -> (learner.ratio_to, learner.correction)
     "decoupled-truncate": ("prox", "truncate"),
     "decoupled-mask": ("prox", "mask"),
@@ -161,7 +162,7 @@ def summarise_run(run_dir: Path, batch_size: int) -> dict[str, Any]:
     }
 
 
-def area(curve: list[dict[str, Any]], last: int, key: str = "eval_reward") -> float:
+def area(curve: list[dict[str, Any]], last: int, key: str) -> float:
     """Mean held-out reward (`key` of each point) over versions 0..last: the trapezoid area under
     the curve divided by its span (points beyond `last` are left out)."""
     pts = [(c["version"], c[key]) for c in curve if c["version"] <= last]
@@ -170,7 +171,7 @@ def area(curve: list[dict[str, Any]], last: int, key: str = "eval_reward") -> fl
     return sum((b[0] - a[0]) * (a[1] + b[1]) / 2 for a, b in zip(pts, pts[1:])) / last
 
 
-def aggregate(runs: list[dict[str, Any]], metric: str = "greedy") -> list[dict[str, Any]]:
+def aggregate(runs: list[dict[str, Any]], metric: Metric) -> list[dict[str, Any]]:
     """Per (loss, k): the seeds' areas under the `metric` curve (each run's in its auc[metric]),
     their mean and spread, and the mean relative to k = 0."""
     last = min(r["curve"][-1]["version"] for r in runs)  # the versions every run evaluated
@@ -195,8 +196,9 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
                          for i in report["invocations"])
     metrics = report["metrics"]
     lines = ["# Learning under staleness\n", f"{ran}: {len(report['runs'])} runs. Held-out reward ("
-             + " and ".join(DESCRIBE[m].format(samples=report["eval_samples"]) for m in metrics)
-             + f", {report['eval_prompts']} prompts; a prompt-blind policy scores at most {report['blind_ceiling']}) "
+             + "; and ".join(DESCRIBE[m].format(samples=report["eval_samples"]) for m in metrics)
+             + f"; over {report['eval_prompts']} prompts, where a prompt-blind policy scores at most "
+             f"{report['blind_ceiling']}) "
              f"averaged over versions 0..{report['cells'][0]['last_version']} (area under the curve / span), "
              "mean over seeds [min, max], and relative to k = 0 (synchronous: at k = 0 the three losses make "
              "the same update, so one set of runs serves them all).\n",
@@ -286,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
     invocations.append({"command": "async-rlhf " + " ".join(sys.argv[1:]), "wall_s": time.time() - start,
                         "runs": len(todo)})
     runs = sorted(kept + todo, key=lambda r: (r["k"], list(LOSSES).index(r["loss"]), r["seed"]))
-    metrics = ["sampled", "greedy"] if cfg.eval.samples else ["greedy"]  # the first is the plot's
+    metrics: list[Metric] = ["sampled", "greedy"] if cfg.eval.samples else ["greedy"]  # the first is the plot's
     report = {"invocations": invocations, "config": args.config,
               "overrides": args.overrides, "steps": steps, "batch_size": cfg.learner.batch_size,
               "eval_prompts": cfg.eval.prompts, "eval_samples": cfg.eval.samples, "metrics": metrics,
