@@ -121,7 +121,7 @@ def test_a_job_record_reaches_metrics_jsonl_tensorboard_the_console_and_the_benc
     assert [p["version"] for p in bench.policy_curve] == [0, 1, 2, 3]
 
     study = summarise_run(tmp_path, batch_size=8)
-    assert study["curve"] == [{"version": 4, "samples": 32, "eval_reward": 0.5}]
+    assert study["curve"] == [{"version": 4, "samples": 32, "eval_reward": 0.5, "eval_reward_sampled": None}]
     assert study["staleness_hist"] == {0: 16, 1: 16} and study["lost"] == 0 and study["startup_first_step_s"] == 9.5
 
 
