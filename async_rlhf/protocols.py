@@ -9,9 +9,10 @@ import os
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # hints only: `status` and `--help` must not pay for importing torch
+    import torch
 
 from async_rlhf.types import Group, Prompt, Received, Sample, TrajectoryError
 

@@ -2,7 +2,8 @@
 
 Each subcommand lives in the module that owns it, which provides `add_arguments(parser)` and
 `run(args) -> int` (or `add_<name>_arguments` and `run_<name>` where one module holds several);
-this file only lists them, so `async-rlhf --help` stays fast (heavy imports happen inside `run`).
+this file only lists them and imports the chosen command's module alone, so `async-rlhf --help`
+imports none of them (and no command module imports torch, vLLM or Ray before `run`).
 """
 
 from __future__ import annotations
@@ -23,22 +24,25 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench-gen": ("async_rlhf.launch.bench.gen", "generation throughput: vLLM engine vs transformers", ""),
     "bench-learner": ("async_rlhf.launch.bench.learner", "learner throughput and time split", ""),
     "bench": ("async_rlhf.launch.bench.jobs", "async vs sync training throughput, stage bounds, idle and staleness", ""),
-    "config": ("async_rlhf.launch.cli", "print the resolved config (--show) or its JSON schema (--schema)", "show_config"),
+    "config": ("async_rlhf.launch.cli", "print the resolved config, its JSON schema (--schema) or its reference (--reference)", "show_config"),
     "study": ("async_rlhf.launch.study", "learning under staleness: held-out reward by k and loss, over seeds", ""),
 }
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Callable[[argparse.Namespace], int]]:
     """The arguments and the function that runs the chosen command."""
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="async-rlhf", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = argv[0] if argv else None  # the parser has no options of its own before COMMAND
     runners = {}
     for name, (module_name, help_text, suffix) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        module = importlib.import_module(module_name)
-        infix = f"_{suffix}" if suffix else ""
-        getattr(module, f"add{infix}_arguments")(p)
-        runners[name] = getattr(module, f"run{infix}")
+        if name == chosen:  # only the chosen command's module is imported
+            module = importlib.import_module(module_name)
+            infix = f"_{suffix}" if suffix else ""
+            getattr(module, f"add{infix}_arguments")(p)
+            runners[name] = getattr(module, f"run{infix}")
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may come anywhere, also between flags (argparse alone wants them together)
     if extra and (not hasattr(args, "overrides") or any(t.startswith("-") or "=" not in t for t in extra)):
@@ -73,10 +77,16 @@ def add_show_config_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--show", action="store_true", help="the config a job would run with (default)")
     what.add_argument("--schema", action="store_true", help="the config file's JSON schema")
+    what.add_argument("--reference", action="store_true",
+                      help="every key with type, default, allowed values and meaning, as Markdown (docs/config.md)")
 
 
 def run_show_config(args: argparse.Namespace) -> int:
-    if args.schema:
+    if args.reference:
+        from async_rlhf.config_doc import reference
+
+        print(reference(), end="")
+    elif args.schema:
         import json
 
         from async_rlhf.config import Config
