@@ -90,17 +90,18 @@ class ModelConfig(_Section):
     path: str = "runs/models/tiny"  # HF model directory; built by `async-rlhf init-model` if absent
     preset: Literal["tiny", "small"] = "tiny"  # what init-model builds when `path` does not exist
     tokenizer: Literal["char", "bpe"] = "char"  # ...and with which tokenizer (actors/model_init.py)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # the weights' dtype in the learner and the generators
 
 
 @dataclass(frozen=True)
 class DataConfig(_Section):
     _prefix = "data."
+    # where prompts come from: a built-in task, a JSONL file or a saved HF dataset
     source: Literal["task", "jsonl", "hf_dataset"] = "task"
     task: str = "count"  # built-in task name when source == "task"
     path: str = ""  # JSONL file or dataset directory for the other sources
     prompt_key: str = "prompt"  # holds a string, or a list of {"role", "content"} messages
-    answer_key: str = "answer"
+    answer_key: str = "answer"  # the record key passed to rewards as the answer (optional in records)
     system_prompt: str = ""  # a system message put first in every conversation
     # auto: conversations (message lists) are rendered with the tokenizer's chat template, plain
     # strings go in as they are; on: every prompt is rendered (a string as one user message);
@@ -119,11 +120,12 @@ class DataConfig(_Section):
 @dataclass(frozen=True)
 class RewardSpec(_Section):
     _prefix = "reward."
+    # a Python function, an HF reward-model directory, or an HTTP endpoint
     kind: Literal["function", "model", "http"] = "function"
     target: str = ""  # module:function, a model directory, or a URL
-    weight: float = 1.0
-    timeout_s: float = 10.0
-    retries: int = 2
+    weight: float = 1.0  # this reward's weight in the sum that is the trajectory's reward
+    timeout_s: float = 10.0  # the most seconds one scoring call (one HTTP attempt) may take
+    retries: int = 2  # HTTP retries after a connection error, a 5xx answer or a timeout
 
     def _validate(self) -> None:
         _check(bool(self.target), "reward.target", self.target, "a module:function, path or URL")
@@ -134,8 +136,9 @@ class RewardSpec(_Section):
 @dataclass(frozen=True)
 class GeneratorConfig(_Section):
     _prefix = "generator."
+    # vllm (continuous batching, in-flight weight updates) or hf (transformers generate)
     engine: Literal["vllm", "hf"] = "vllm"
-    count: int = 1
+    count: int = 1  # generator actors at start (`add-generators` adds more while the job runs)
     group_size: int = 4  # samples per prompt (GRPO's n)
     # Sequences (group_size per group) a generator holds in its engine at once. vLLM on one
     # CPU thread makes ~4x the tokens/s with 64 in flight that it makes with 8.
@@ -148,14 +151,14 @@ class GeneratorConfig(_Section):
     # (their tokens record which version sampled them). between_groups: a new version waits
     # until the engine is empty (no admission meanwhile), so one version samples all of a group.
     weight_updates: Literal["inflight", "between_groups"] = "inflight"
-    max_new_tokens: int = 16
+    max_new_tokens: int = 16  # the most tokens a response may have
     # Stop sequences: a response also ends (besides at EOS or an end-of-turn token) at the token
     # that completes one of these in its text. That token is kept, trained on and has its
     # log-prob; the text rewards get ends before the stop string (vLLM's stop).
     stop: tuple[str, ...] = ()
-    temperature: float = 1.0
-    top_p: float = 1.0
-    threads: int = 1
+    temperature: float = 1.0  # sampling temperature; the learner's log-probs use the same one
+    top_p: float = 1.0  # must be 1.0 (nucleus sampling would bias the importance weights)
+    threads: int = 1  # torch/vLLM CPU threads per generator
     # CPU scheduling priority (a nice increment, 0-19) of the generator processes. Where they
     # share cores with the learner, a positive value gives the learner's threads the larger
     # share and the generators the rest (placement: auto sets 19 on CPU; see its module doc).
@@ -194,8 +197,8 @@ def redact_url(url: str) -> str:
 class QueueConfig(_Section):
     _prefix = "queue."
     redis_url: str | None = None  # None: start an embedded redis-server on a free loopback port
-    stream: str = "experience"
-    group: str = "learners"
+    stream: str = "experience"  # the Redis stream's key
+    group: str = "learners"  # the stream's consumer group
     max_backlog: int = 4096  # producers wait while more entries than this are unconsumed
     durable: bool = False  # embedded Redis with AOF everysec
     claim_idle_ms: int = 30_000  # pending entries idle this long are reclaimed from dead consumers
@@ -208,32 +211,37 @@ class QueueConfig(_Section):
 @dataclass(frozen=True)
 class LearnerConfig(_Section):
     _prefix = "learner."
-    steps: int = 50
+    steps: int = 50  # learner steps (policy versions) the job trains
     batch_size: int = 32  # trajectories per optimizer step
-    micro_batch: int = 8
+    micro_batch: int = 8  # trajectories per forward/backward pass on one rank
     # deepspeed: ZeRO 0-3, any number of ranks, bf16; torch: one process, fp32, torch.optim.AdamW
     # (no DeepSpeed engine: fewer moving parts where one CPU or GPU trains)
     backend: Literal["deepspeed", "torch"] = "deepspeed"
-    ranks: int = 1
+    ranks: int = 1  # learner processes (data parallel, DeepSpeed)
     threads: int = 1  # torch CPU threads per rank; its Ray actor reserves as many CPUs
-    zero_stage: Literal[0, 1, 2, 3] = 0
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    clip_eps: float = 0.2
+    zero_stage: Literal[0, 1, 2, 3] = 0  # DeepSpeed ZeRO stage
+    lr: float = 1e-4  # the policy's learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # the gradients' global norm is clipped to this (0: no clipping)
+    clip_eps: float = 0.2  # PPO's clip range for the ratio pi_theta / pi_prox
+    # behaviour correction pi_prox / pi_behaviour: none, truncated at is_cap (TIS) or masked above it
     correction: Literal["none", "truncate", "mask"] = "truncate"
+    # the correction weight per token or per sequence
     correction_level: Literal["token", "sequence"] = "token"
-    is_cap: float = 2.0
+    is_cap: float = 2.0  # where the behaviour correction weight is truncated or masked
     ratio_to: Literal["prox", "behavior"] = "prox"  # "behavior": plain PPO, for ablation
+    # how per-token losses are averaged over a batch
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    # advantage estimator (gae trains a critic)
     advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
-    gamma: float = 1.0
-    lam: float = 1.0
-    kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    gamma: float = 1.0  # discount (gae, reinforce_pp)
+    lam: float = 1.0  # GAE's lambda
+    kl_coef: float = 0.0  # weight of the KL penalty to the initial policy (0: no reference model)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # KL estimator (Schulman's k1, k2, k3)
+    # the KL penalty as a loss term, or as a per-token reward (reinforce_pp, gae)
     kl_mode: Literal["reward", "loss"] = "loss"
-    entropy_coef: float = 0.0
-    value_clip: float = 0.2
+    entropy_coef: float = 0.0  # weight of the entropy bonus
+    value_clip: float = 0.2  # the critic's value clip range (gae)
     max_reuse: int = 1  # times a trajectory may be trained on while within the staleness bound
     checkpoint_every: int = 10  # steps (a crashed learner loses at most this many); 0: only at the end
     minibatches: int = 1  # optimizer steps per batch, all against the same pi_prox (AReaL's n_mbs)
@@ -284,8 +292,8 @@ class StageCosts(_Section):
     measures them (its stage bounds) for its auto settings."""
 
     _prefix = "stage_costs."
-    generator_s: float = 0.02
-    learner_s: float = 0.084
+    generator_s: float = 0.02  # one generated sample, in device-seconds
+    learner_s: float = 0.084  # one trained sample, in device-seconds
 
     def _validate(self) -> None:
         self._positive("generator_s", "learner_s")
@@ -320,9 +328,9 @@ def _default_rewards() -> tuple[RewardSpec, ...]:
 
 @dataclass(frozen=True)
 class Config(_Section):
-    job: str = "async-rlhf"
-    out: str = "runs/demo"
-    seed: int = 0
+    job: str = "async-rlhf"  # the job's name: its Ray namespace and what `status`/`stop --job` take
+    out: str = "runs/demo"  # output directory: metrics.jsonl, summary.json, checkpoints, the exported policy
+    seed: int = 0  # seeds prompts, sampling and the learner
     max_staleness: int = 2  # k: a trajectory may be at most k policy versions old when trained on
     # manual: generator.count/threads and learner.ranks/threads as given; auto: sized from
     # stage_costs to the machine (async_rlhf/launch/placement.py), printed at start

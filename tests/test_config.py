@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -138,3 +139,31 @@ def test_a_bad_value_ends_the_command_with_the_key_and_no_traceback(capsys):
     assert main(["train", "learner.lr=-1"]) == 2
     err = capsys.readouterr().err
     assert "config error: learner.lr must be > 0, got -1.0" in err and "Traceback" not in err
+
+
+def test_config_reference_is_docs_config_md_and_gives_every_key_a_meaning(capsys):
+    """docs/config.md is what `async-rlhf config --reference` prints: a changed default, a new
+    key or a changed comment fails here until the file is regenerated."""
+    assert main(["config", "--reference"]) == 0
+    printed = capsys.readouterr().out
+    committed = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
+    assert printed == committed, "docs/config.md is stale: run `async-rlhf config --reference > docs/config.md`"
+    keys = [row.split("|")[1].strip() for row in printed.splitlines() if row.startswith("| `")]
+    assert len(keys) > 60 and "`rewards[i].timeout_s`" in keys and "`eval.samples`" in keys
+    missing = [row.split("|")[1].strip() for row in printed.splitlines() if row.startswith("| `") and row.endswith("|  |")]
+    assert not missing, f"keys without a comment beside their field in config.py: {missing}"
+    assert "| `learner.lr` | float | `0.0001` |  | the policy's learning rate (AdamW) |" in printed
+    assert "| `generator.schedule` | choice | `'stream'` | `stream`, `lockstep` |" in printed
+
+
+def test_help_imports_no_command_module():
+    """`async-rlhf --help` stays light: no torch, Ray, vLLM or DeepSpeed import."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom async_rlhf.launch.cli import main\ntry:\n    main(['--help'])\n"
+            "except SystemExit:\n    pass\n"
+            "print([m for m in ('torch', 'ray', 'vllm', 'deepspeed', 'transformers') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
