@@ -97,10 +97,15 @@ def init_model(out: str | Path, preset: str = "tiny", seed: int = 0, tokenizer: 
     return out
 
 
-def ensure_model(path: str | Path, preset: str = "tiny", seed: int = 0, tokenizer: str = "char") -> Path:
-    """Return `path`, building the model there first if it holds no model yet."""
+def ensure_model(path: str | Path, preset: str | None = "tiny", seed: int = 0, tokenizer: str = "char") -> Path:
+    """Return `path`, building the model there first if it holds no model yet and a preset is
+    given (a random-init model is built only when asked for)."""
     path = Path(path)
     if not (path / "config.json").is_file():
+        if preset is None:
+            raise FileNotFoundError(
+                f"model.path {str(path)!r} holds no model (no config.json): point it at a Hugging "
+                "Face model directory, or set model.preset=tiny (or small) to build a random-init one there")
         init_model(path, preset, seed, tokenizer)
     return path
 

@@ -87,8 +87,9 @@ class _Section:
 @dataclass(frozen=True)
 class ModelConfig(_Section):
     _prefix = "model."
-    path: str = "runs/models/tiny"  # HF model directory; built by `async-rlhf init-model` if absent
-    preset: Literal["tiny", "small"] = "tiny"  # what init-model builds when `path` does not exist
+    path: str = "runs/models/tiny"  # a Hugging Face model directory (config.json, weights, tokenizer)
+    # what init-model builds at `path` when it holds no model; unset, a missing `path` is an error
+    preset: Literal["tiny", "small"] | None = None
     tokenizer: Literal["char", "bpe"] = "char"  # ...and with which tokenizer (actors/model_init.py)
     dtype: Literal["float32", "bfloat16"] = "float32"  # the weights' dtype in the learner and the generators
 
@@ -443,7 +444,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {text!r} must look like key=value, e.g. learner.lr=1e-5")
-    parsed = yaml.safe_load(value)
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: its value is not valid YAML ({' '.join(str(e).split())})") from None
     if isinstance(parsed, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
         try:
             parsed = float(parsed)

@@ -57,8 +57,12 @@ def _type_name(hint: Any) -> str:
 
 
 def _allowed(hint: Any) -> str:
+    args = typing.get_args(hint)
     if typing.get_origin(hint) is Literal:
-        return ", ".join(f"`{v}`" for v in typing.get_args(hint))
+        return ", ".join(f"`{v}`" for v in args)
+    if type(None) in args:  # an optional choice
+        inner = _allowed(next(a for a in args if a is not type(None)))
+        return f"{inner}, `null`" if inner else ""
     return ""
 
 

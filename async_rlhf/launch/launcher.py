@@ -31,6 +31,7 @@ from typing import Any
 from async_rlhf.config import Config
 from async_rlhf.launch.cli import add_config_arguments, config_from_args
 from async_rlhf.launch.metrics import MetricsLog, StepRecord
+from async_rlhf.launch.preflight import preflight
 from async_rlhf.launch.stream import JobStream
 from async_rlhf.messages import EvalResult, GeneratorStats, JobSnapshot, JobSummary, LearnerStatus, StepMetrics
 from async_rlhf.procs import stop_on_signals
@@ -49,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args)
+    preflight(cfg)  # what the config names is there and reads, before anything starts
     return Job(cfg, ray_address=args.ray_address, resume=args.resume).run()
 
 

@@ -1,0 +1,78 @@
+"""`train`'s checks before anything starts: what a config names must be there and readable.
+
+Before Ray, Redis or an engine starts, every reward target is resolved (a function imported, a
+reward-model directory or a URL checked), the data source is read through (every JSONL line, a
+data set's records, a held-out eval file), and the model directory's config and tokenizer load
+(a chat template checked where the prompts need one). A problem raises ConfigError with the
+value and the fix; the CLI prints it as one line and exits 2, within seconds."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from async_rlhf.config import Config, ConfigError
+
+
+def preflight(cfg: Config) -> None:
+    """Raise ConfigError for the first thing `cfg` names that is missing or unreadable."""
+    from actors.prompts import load_records, read_jsonl
+
+    for i, spec in enumerate(cfg.rewards):
+        _check_reward(i, spec.kind, spec.target)
+    try:
+        records = load_records(cfg.data, seed=cfg.seed)
+        if isinstance(cfg.eval.prompts, str):
+            read_jsonl(cfg.eval.prompts)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise ConfigError(_one_line(e)) from None
+    _check_model(cfg, any(isinstance(prompt, list) for prompt, _ in records))
+
+
+def _check_reward(i: int, kind: str, target: str) -> None:
+    from actors.rewards import load_function
+
+    key = f"rewards[{i}].target"
+    if kind == "function":
+        if os.getcwd() not in sys.path:  # the job's actors import from the driver's directory (Ray)
+            sys.path.insert(0, os.getcwd())
+        try:
+            load_function(target)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ConfigError(f"{key}: {_one_line(e)} (a module:function importable from where "
+                              "`train` runs, e.g. actors.tasks:score)") from None
+    elif kind == "model" and not (Path(target) / "config.json").is_file():
+        raise ConfigError(f"{key} {target!r} is no reward-model directory (no config.json): "
+                          "point it at a saved AutoModelForSequenceClassification")
+    elif kind == "http" and not target.startswith(("http://", "https://")):
+        raise ConfigError(f"{key} {target!r} must be an http:// or https:// URL")
+
+
+def _check_model(cfg: Config, has_conversations: bool) -> None:
+    """The model directory's config and tokenizer load (unless a preset is to build it), and
+    a chat template exists where prompts are rendered as chats."""
+    path = Path(cfg.model.path)
+    if not (path / "config.json").is_file():
+        if cfg.model.preset is None:
+            raise ConfigError(
+                f"model.path {str(path)!r} holds no model (no config.json): point it at a Hugging Face "
+                "model directory, or set model.preset=tiny (or small) to build a random-init one there")
+        return
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        AutoConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path {str(path)!r} does not load: {_one_line(e)}") from None
+    template = cfg.data.chat_template
+    needs_template = template == "on" or (template == "auto" and has_conversations)
+    if needs_template and not tokenizer.chat_template:
+        raise ConfigError(f"data.chat_template={template}: the tokenizer at {str(path)!r} has no chat "
+                          "template; give a Jinja file as data.chat_template, or use plain-string prompts")
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    return " ".join(text.split())
