@@ -312,12 +312,17 @@ def test_a_reward_that_fails_now_and_then_never_splits_a_group(tmp_path, tiny_ac
 
 
 def test_failed_start_ends_with_a_clear_error_and_a_summary(tmp_path, tiny_actor_model):
+    """A reward-model directory that passes the pre-flight check (it has a config.json) but does
+    not load: every generator fails at start, and the job ends with the cause and a summary."""
     name = "badreward"
+    broken = tmp_path / "broken_reward_model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no_such_architecture"}')
     proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=2",
-                  "rewards=[{kind: function, target: 'no_such_module:score'}]")
+                  f"rewards=[{{kind: model, target: '{broken}'}}]")
     assert proc.wait(300) == 1
     log = (tmp_path / f"{name}.log").read_text()
-    assert "no_such_module" in log and "no generator could start" in log
+    assert "no_such_architecture" in log and "no generator could start" in log
     summary = json.loads((tmp_path / name / "summary.json").read_text())
     assert "no generator could start" in summary["error"]
     assert summary["lost"] == 0
