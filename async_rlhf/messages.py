@@ -334,7 +334,7 @@ class LearnerStatus:
 
 @dataclass(frozen=True)
 class JobSnapshot:
-    """What the launcher publishes to the job's coordinator each second."""
+    """What the launcher publishes each second (see CoordinatorSnapshot)."""
 
     job: str
     out: str
@@ -345,11 +345,65 @@ class JobSnapshot:
 
 @dataclass(frozen=True)
 class CoordinatorSnapshot:
-    """What the coordinator answers `status` with: the launcher's latest JobSnapshot (None
-    before its first), the staleness gate's counts (samples) and the add-generators requests
-    not yet settled (request id -> state)."""
+    """The launcher's JobSnapshot with the staleness gate's counts (samples) and the
+    add-generators requests not yet settled (request id -> state), from the coordinator."""
 
-    job: JobSnapshot | None
+    job: JobSnapshot
     gate_accepted: int
     gate_running: int
     requests: Mapping[int, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> CoordinatorSnapshot:
+        job = d["job"]
+        job = JobSnapshot(**{**job, "learner": LearnerStatus(**job["learner"]),
+                             "generators": tuple(GeneratorStats.from_json(g) for g in job["generators"])})
+        return cls(job, d["gate_accepted"], d["gate_running"],
+                   {int(i): state for i, state in d["requests"].items()})
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """What the launcher publishes each second (the job registry's <job>.status.json) and
+    `async-rlhf status` prints: its snapshot, the stream's accounting as it read it then, and
+    when (`at`, seconds since the epoch)."""
+
+    job: str
+    coordinator: CoordinatorSnapshot
+    redis_url: str  # password redacted
+    stream: str
+    queue: Accounting
+    at: float
+
+    STALE_S = 10.0  # the launcher publishes each second, between and during learner steps
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> JobStatus:
+        return cls(d["job"], CoordinatorSnapshot.from_json(d["coordinator"]), d["redis_url"], d["stream"],
+                   Accounting.from_json(d["queue"]), d["at"])
+
+    def to_json(self) -> dict[str, Any]:
+        """`status --json`: flat, for scripts."""
+        c, snap = self.coordinator, self.coordinator.job
+        return {"job": self.job, "at": self.at, "learner": dataclasses.asdict(snap.learner),
+                "generators": [g.to_json() for g in snap.generators],
+                "generator_restarts": snap.generator_restarts, "requests": dict(c.requests),
+                "gate": {"accepted": c.gate_accepted, "running": c.gate_running},
+                "queue": {"redis_url": self.redis_url, "stream": self.stream, **self.queue.to_json()}}
+
+    def lines(self, now: float) -> list[str]:
+        snap, q = self.coordinator.job, self.queue
+        learner = snap.learner
+        out = [f"job {self.job}: learner step {learner.step} policy_version {learner.policy_version}  "
+               f"restarts: learner {learner.restarts}, generators {snap.generator_restarts}"]
+        out += [f"  {g.generator_id:>8}  node {g.node}  pid {g.pid}  policy_version {g.policy_version}  "
+                f"produced {g.produced}{'  ERROR' if g.error else ''}" for g in snap.generators]
+        out += [f"  generator request {i}: {state}" for i, state in self.coordinator.requests.items()]
+        out.append(f"queue {self.redis_url} stream {self.stream}: backlog+pending {q.left_in_queue}, "
+                   f"produced {q.produced}, trained {q.trained}, dead letters {q.dead_lettered}")
+        if (age := now - self.at) > self.STALE_S:
+            out.append(f"(as of {age:.0f} s ago: the launcher has published nothing since; see its log)")
+        return out

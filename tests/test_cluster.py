@@ -6,6 +6,7 @@ Also the job registry (no Ray).
 import json
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -18,9 +19,12 @@ from async_rlhf.launch.cluster import (
     JobNotFoundError,
     connect,
     read_job_info,
+    read_job_status,
     remove_job_info,
     start_local_cluster,
+    stop_request,
     write_job_info,
+    write_job_status,
 )
 from ray_nodes import start_worker_node
 
@@ -39,6 +43,41 @@ def test_job_registry_roundtrip_mode_and_missing(tmp_path, monkeypatch):
         read_job_info("demo-1")
     with pytest.raises(ValueError, match="job name must match"):
         write_job_info("../etc", info)
+
+
+STOP = """
+import sys
+from async_rlhf.launch.cli import main
+code = main(['stop', '--job', sys.argv[1]])
+print(code, [m for m in ('torch', 'ray', 'vllm', 'deepspeed', 'transformers') if m in sys.modules])
+"""
+
+
+def test_stop_leaves_a_request_for_a_live_launcher_without_joining_ray(tmp_path, monkeypatch):
+    """`stop` writes the job's stop request (the launcher reads it after each step); a launcher
+    that is gone is named, and nothing is requested of it."""
+    monkeypatch.setenv("ASYNC_RLHF_HOME", str(tmp_path))
+    ended = subprocess.Popen(["true"])  # a pid that no longer runs
+    ended.wait()
+    host = socket.gethostname()
+    write_job_info("gone", {"pid": ended.pid, "host": host})
+    write_job_info("live", {"pid": os.getpid(), "host": host})
+    write_job_status("live", {"job": None})
+
+    def stop(job):
+        return subprocess.run([sys.executable, "-c", STOP, job], capture_output=True, text=True, timeout=60)
+
+    done = stop("live")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "0 []"
+    assert stop_request("live") == "`async-rlhf stop` from another terminal"
+    gone = stop("gone")
+    assert gone.returncode == 1 and f"its launcher (pid {ended.pid}) is gone" in gone.stderr
+    assert stop_request("gone") == ""
+    write_job_info("live", {"pid": os.getpid(), "host": host})  # a new job of that name
+    assert stop_request("live") == "" and read_job_status("live") is None
+    remove_job_info("live")
+    assert [p.name for p in (tmp_path / "jobs").iterdir()] == ["gone.json"]
 
 
 SECOND_DRIVER = """

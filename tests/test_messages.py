@@ -12,11 +12,10 @@ import pickle
 import pytest
 
 from async_rlhf.launch.bench.report import summarise
-from async_rlhf.launch.jobctl import JobStatus
 from async_rlhf.launch.metrics import MetricsLog, StepRecord
 from async_rlhf.launch.study import summarise_run
 from async_rlhf.messages import (Accounting, CoordinatorSnapshot, EvalResult, GeneratorStats, GeneratorTotals, JobSnapshot,
-                                 JobSummary, LearnerStatus, StepMetrics, StepTimes, not_trained)
+                                 JobStatus, JobSummary, LearnerStatus, StepMetrics, StepTimes, not_trained)
 
 
 def _step(version: int, **changes) -> StepMetrics:
@@ -125,23 +124,24 @@ def test_a_job_record_reaches_metrics_jsonl_tensorboard_the_console_and_the_benc
     assert study["staleness_hist"] == {0: 16, 1: 16} and study["lost"] == 0 and study["startup_first_step_s"] == 9.5
 
 
-def test_status_reads_the_coordinator_snapshot():
+def test_status_reads_the_published_snapshot():
     snap = JobSnapshot(job="j", out="/o", learner=LearnerStatus(step=3, policy_version=3, reward_mean=0.5,
                                                                 of_steps=10, pid=7, restarts=1),
                        generators=(_gen(error="Traceback..."),), generator_restarts=2)
     acc = _summary().accounting
-    status = JobStatus("j", CoordinatorSnapshot(snap, 16, 8, {3: "requested"}), "redis://:***@h:1", "experience", acc)
-    assert status.lines() == [
+    published = JobStatus("j", CoordinatorSnapshot(snap, 16, 8, {3: "requested"}), "redis://:***@h:1",
+                          "experience", acc, at=1000.0)
+    status = JobStatus.from_json(json.loads(json.dumps(dataclasses.asdict(published))))  # the file, read back
+    assert status == published
+    assert status.lines(now=1001.0) == [
         "job j: learner step 3 policy_version 3  restarts: learner 1, generators 2",
         "     gen-0  node host  pid 123  policy_version 3  produced 24  ERROR",
         "  generator request 3: requested",
         "queue redis://:***@h:1 stream experience: backlog+pending 1, produced 10, trained 8, dead letters 0"]
+    assert status.lines(now=1030.0)[-1].startswith("(as of 30 s ago: the launcher has published nothing since")
     d = json.loads(json.dumps(status.to_json()))
     assert d["learner"]["pid"] == 7 and d["generators"][0]["pid"] == 123 and d["gate"] == {"accepted": 16, "running": 8}
     assert d["queue"]["stream"] == "experience" and d["queue"]["lost"] == 0 and d["requests"] == {"3": "requested"}
-    early = JobStatus("j", CoordinatorSnapshot(None, 0, 0, {}), "redis://h:1", "experience", acc)
-    assert early.lines()[0] == "job j: learner step ? policy_version ?  restarts: learner 0, generators 0"
-    assert early.to_json()["generators"] == []
 
 
 def test_generator_totals_sum_and_subtract():

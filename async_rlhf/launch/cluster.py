@@ -287,7 +287,9 @@ def connect(address: str | None, namespace: str, token_path: Path | str | None =
     return ray.init(address=address, namespace=namespace, **init_kwargs)
 
 
-# ---- Job registry: one 0600 JSON file per running job, so second drivers find it by name.
+# ---- Job registry: per running job, 0600 files that other terminals read instead of joining
+# its Ray cluster: <job>.json (how to reach it), <job>.status.json (the launcher's snapshot,
+# each second) and <job>.stop (a stop request, which the launcher reads after each step).
 
 
 class JobNotFoundError(LookupError):
@@ -300,23 +302,30 @@ def jobs_dir() -> Path:
     return Path(home).expanduser() / "jobs"
 
 
-def _job_path(job: str) -> Path:
+def _job_path(job: str, suffix: str = ".json") -> Path:
     if not _JOB_NAME.match(job):
         raise ValueError(f"job name must match {_JOB_NAME.pattern} (letters, digits, . _ -), "
                          f"got {job!r}")
-    return jobs_dir() / f"{job}.json"
+    return jobs_dir() / f"{job}{suffix}"
+
+
+def _write_private(path: Path, text: str) -> Path:
+    """Atomically, mode 0600 (the registry holds the Redis password)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return path
 
 
 def write_job_info(job: str, info: dict) -> Path:
-    """Record a running job (ray address, redis url, out dir, pid...), atomically, mode 0600."""
-    path = _job_path(job)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"job": job, **info}, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
-    return path
+    """Record a running job (ray address, redis url, out dir, launcher pid...); a status or
+    stop request left by an earlier job of this name goes."""
+    for suffix in (".status.json", ".stop"):
+        _job_path(job, suffix).unlink(missing_ok=True)
+    return _write_private(_job_path(job), json.dumps({"job": job, **info}, indent=2, sort_keys=True))
 
 
 def read_job_info(job: str) -> dict:
@@ -330,5 +339,30 @@ def read_job_info(job: str) -> dict:
         ) from None
 
 
+def write_job_status(job: str, status: dict) -> None:
+    _write_private(_job_path(job, ".status.json"), json.dumps(status))
+
+
+def read_job_status(job: str) -> dict | None:
+    """The launcher's latest snapshot; None before its first (the job is starting)."""
+    try:
+        return json.loads(_job_path(job, ".status.json").read_text())
+    except FileNotFoundError:
+        return None
+
+
+def request_stop(job: str, reason: str) -> None:
+    _write_private(_job_path(job, ".stop"), reason)
+
+
+def stop_request(job: str) -> str:
+    """The reason of a pending stop request, or ''."""
+    try:
+        return _job_path(job, ".stop").read_text() or "stop requested"
+    except FileNotFoundError:
+        return ""
+
+
 def remove_job_info(job: str) -> None:
-    _job_path(job).unlink(missing_ok=True)
+    for suffix in (".json", ".status.json", ".stop"):
+        _job_path(job, suffix).unlink(missing_ok=True)

@@ -22,18 +22,21 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from async_rlhf.config import Config
+from async_rlhf.config import Config, redact_url
+from async_rlhf.launch import cluster
 from async_rlhf.launch.cli import add_config_arguments, config_from_args
 from async_rlhf.launch.metrics import MetricsLog, StepRecord
 from async_rlhf.launch.preflight import preflight
 from async_rlhf.launch.stream import JobStream
-from async_rlhf.messages import EvalResult, GeneratorStats, JobSnapshot, JobSummary, LearnerStatus, StepMetrics
+from async_rlhf.messages import (EvalResult, GeneratorStats, JobSnapshot, JobStatus, JobSummary, LearnerStatus,
+                                 StepMetrics)
 from async_rlhf.procs import stop_on_signals
 
 log = logging.getLogger("async_rlhf")
@@ -155,8 +158,6 @@ class Job:
 
     def _launch_head(self) -> None:
         """Start a local Ray head for this job, without waiting for it (none with --ray-address)."""
-        from async_rlhf.launch import cluster
-
         if self.ray_address:
             return
         learner, gen = self.cfg.learner, self.cfg.generator
@@ -167,8 +168,6 @@ class Job:
     def _connect_ray(self) -> None:
         import ray
 
-        from async_rlhf.launch import cluster
-
         address = self.ray_address or self.cluster.address
         token_path = None if self.cluster is None else str(self.cluster.token_path)
         cluster.connect(address, namespace=self.cfg.job, token_path=token_path)
@@ -176,11 +175,10 @@ class Job:
         cluster.write_job_info(self.cfg.job, {
             "ray_address": address, "ray_token_path": token_path, "redis_url": self.redis_url,
             "out": str(self.out.resolve()), "namespace": self.cfg.job,
+            "pid": os.getpid(), "host": socket.gethostname(),
         })
 
     def _shutdown_ray(self) -> None:
-        from async_rlhf.launch import cluster
-
         cluster.remove_job_info(self.cfg.job)
         if self.ray is not None:
             self.ray.shutdown()
@@ -347,7 +345,7 @@ class Job:
                 version = self._restart_learners(type(e).__name__)
                 continue
             version = metrics.version
-            reason = ray.get(self.coordinator.stop_requested.remote())
+            reason = cluster.stop_request(cfg.job)
             self._record(metrics, time.perf_counter() - step_start,
                          last=bool(reason) or version >= cfg.learner.steps)
             if reason:
@@ -400,7 +398,10 @@ class Job:
         if set(self.generators) != members or failures > self.sync_failures:
             self.sync_failures = failures  # a group that did not form or broke: form a new one
             self._new_epoch()
-        ray.get(self.coordinator.set_snapshot.remote(self._snapshot()))
+        snap = ray.get(self.coordinator.snapshot.remote(self._snapshot()))
+        published = JobStatus(self.cfg.job, snap, redact_url(self.redis_url), self.cfg.queue.stream,
+                              self.stream.accounting(), time.time())
+        cluster.write_job_status(self.cfg.job, dataclasses.asdict(published))
 
     def _return_slots(self) -> None:
         """Groups gone untrained since the last call give their gate slots back."""

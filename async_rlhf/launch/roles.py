@@ -47,8 +47,6 @@ class Coordinator:
         self.running: Counter[str] = Counter()
         self.requests: list[dict[str, Any]] = []  # add-generators requests not yet taken
         self.placements: dict[int, str] = {}  # request id -> what became of it
-        self.stop_reason = ""
-        self.snapshot: JobSnapshot | None = None  # the launcher's, each second
 
     def try_admit(self, generator_id: str, n: int, version: int) -> bool:
         if not self.gate.try_admit(n, version):  # also after a stop request: a learner step
@@ -96,17 +94,9 @@ class Coordinator:
         requests, self.requests = self.requests, []
         return requests
 
-    def request_stop(self, reason: str = "stop requested") -> None:
-        self.stop_reason = reason
-
-    def stop_requested(self) -> str:
-        return self.stop_reason
-
-    def set_snapshot(self, snapshot: JobSnapshot) -> None:
-        self.snapshot = snapshot
-
-    def get_snapshot(self) -> CoordinatorSnapshot:
-        return CoordinatorSnapshot(self.snapshot, self.gate.accepted, self.gate.running,
+    def snapshot(self, job: JobSnapshot) -> CoordinatorSnapshot:
+        """The launcher's snapshot with the gate's counts and the unsettled requests."""
+        return CoordinatorSnapshot(job, self.gate.accepted, self.gate.running,
                                    {i: state for i, state in self.placements.items()
                                     if not state.startswith(SETTLED)})
 

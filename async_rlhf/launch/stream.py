@@ -5,14 +5,18 @@ what the stream holds), and the job's own redis-server, restarted when it dies."
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 import redis
 
 from async_rlhf.config import Config, redact_url
-from async_rlhf.messages import not_trained
+from async_rlhf.messages import Accounting, not_trained
 from async_rlhf.protocols import QueueStats
 from buffer.redis_server import EmbeddedRedis
 from buffer.redis_stream import RedisExperienceQueue
+
+T = TypeVar("T")
 
 
 class JobStream:
@@ -57,17 +61,23 @@ class JobStream:
         return max(gone - before, 0) * self.cfg.generator.group_size
 
     def stats(self) -> QueueStats:
-        """The stream's stats; the job's own redis-server, found dead before or during the
+        return self._read(self.queue.stats)
+
+    def accounting(self) -> Accounting:
+        return self._read(self.queue.accounting)
+
+    def _read(self, read: Callable[[], T]) -> T:
+        """A read of the stream; the job's own redis-server, found dead before or during the
         call, is restarted first (our client gives up on it at once, the others ride it out)."""
         if self.server is not None and not self.server.running:
             self._restart_server()
         try:
-            return self.queue.stats()
+            return read()
         except redis.ConnectionError:
             if self.server is None or self.server.running:
                 raise
             self._restart_server()
-            return self.queue.stats()
+            return read()
 
     def _restart_server(self) -> None:
         """The embedded redis-server died: start it again on its port and data directory. The
