@@ -1,9 +1,10 @@
 """`train` checks what its config names before anything starts: a reward target that does not
 resolve, a JSONL with a broken line, a model directory that is not there (and no preset asked
-for), a chat without a template. Each ends the command with exit 2 and one line naming the value
-and the fix, before Ray, Redis or an engine starts (OUT is never created)."""
+for) or has no tokenizer, a chat without a template. Each ends the command with exit 2 and one
+line naming the value and the fix, before Ray, Redis or an engine starts (OUT is never created)."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -56,6 +57,13 @@ def test_conversations_need_a_chat_template(tmp_path, tiny_actor_model):
     err = _one_line_error(_train(tmp_path, f"model.path={tiny_actor_model}", "data.source=jsonl",
                                  "data.path=chat.jsonl"))
     assert "has no chat template" in err
+
+
+def test_a_model_directory_without_a_tokenizer(tmp_path, tiny_actor_model):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_actor_model, model, ignore=shutil.ignore_patterns("tokenizer*"))
+    err = _one_line_error(_train(tmp_path, f"model.path={model}"))
+    assert f"model.path '{model}' holds no tokenizer" in err and "tokenizer.save_pretrained" in err
 
 
 def test_an_override_that_is_not_yaml(tmp_path):

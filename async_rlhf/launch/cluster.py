@@ -245,7 +245,8 @@ def launch_local_cluster(num_cpus: int, resources: dict[str, float] | None = Non
         sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
         f"--node-ip-address={LOOPBACK}", f"--port={port}", f"--num-cpus={num_cpus}",
         f"--resources={json.dumps(resources or {})}", f"--temp-dir={temp_dir}",
-        "--include-dashboard=false", "--disable-usage-stats",
+        # no autoscaler monitor: the cluster is fixed, and it starts before the raylet (~2 s)
+        "--include-dashboard=false", "--disable-usage-stats", "--no-monitor",
         # Defaults are fixed ports (10001, 52365): a second cluster on the machine would clash.
         f"--ray-client-server-port={free_port()}", "--dashboard-agent-listen-port=0",
     ]

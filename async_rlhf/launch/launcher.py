@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -488,7 +489,12 @@ class Job:
         print(self.summary.line())
 
 
+@functools.cache
 def _gpu_count() -> int:
+    """The GPUs torch sees here; 0 at once on a machine without a GPU driver (importing torch
+    to find that out takes seconds, before anything else can start)."""
+    if not any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidia0", "/dev/kfd")):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -2,12 +2,13 @@
 
 Before Ray, Redis or an engine starts, every reward target is resolved (a function imported, a
 reward-model directory or a URL checked), the data source is read through (every JSONL line, a
-data set's records, a held-out eval file), and the model directory's config and tokenizer load
-(a chat template checked where the prompts need one). A problem raises ConfigError with the
+data set's records, a held-out eval file), and the model directory's config and tokenizer files
+are there (a chat template checked where the prompts need one). A problem raises ConfigError with the
 value and the fix; the CLI prints it as one line and exits 2, within seconds."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -49,9 +50,16 @@ def _check_reward(i: int, kind: str, target: str) -> None:
         raise ConfigError(f"{key} {target!r} must be an http:// or https:// URL")
 
 
+# What transformers' AutoTokenizer loads a tokenizer from, and a chat template from (besides
+# tokenizer_config.json's "chat_template"): transformers.utils.hub
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+_CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
 def _check_model(cfg: Config, has_conversations: bool) -> None:
-    """The model directory's config and tokenizer load (unless a preset is to build it), and
-    a chat template exists where prompts are rendered as chats."""
+    """The model directory holds a model config and a tokenizer (unless a preset is to build
+    it), with a chat template where prompts are rendered as chats. Files are read, not loaded:
+    importing transformers alone takes seconds, and the parts that load the model say what fails."""
     path = Path(cfg.model.path)
     if not (path / "config.json").is_file():
         if cfg.model.preset is None:
@@ -59,16 +67,23 @@ def _check_model(cfg: Config, has_conversations: bool) -> None:
                 f"model.path {str(path)!r} holds no model (no config.json): point it at a Hugging Face "
                 "model directory, or set model.preset=tiny (or small) to build a random-init one there")
         return
-    from transformers import AutoConfig, AutoTokenizer
-
     try:
-        AutoConfig.from_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        config = json.loads((path / "config.json").read_text())
+        tokenizer_config = path / "tokenizer_config.json"
+        tokenizer_config = json.loads(tokenizer_config.read_text()) if tokenizer_config.is_file() else {}
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path {str(path)!r} does not load: {_one_line(e)}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ConfigError(f"model.path {str(path)!r}: its config.json names no model_type; save the model "
+                          "with model.save_pretrained(...)")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ConfigError(f"model.path {str(path)!r} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): "
+                          "save one there with tokenizer.save_pretrained(...)")
     template = cfg.data.chat_template
     needs_template = template == "on" or (template == "auto" and has_conversations)
-    if needs_template and not tokenizer.chat_template:
+    has_template = bool(tokenizer_config.get("chat_template")) or any(
+        (path / name).is_file() for name in _CHAT_TEMPLATE_FILES)
+    if needs_template and not has_template:
         raise ConfigError(f"data.chat_template={template}: the tokenizer at {str(path)!r} has no chat "
                           "template; give a Jinja file as data.chat_template, or use plain-string prompts")
 
