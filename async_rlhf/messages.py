@@ -227,9 +227,11 @@ _EVENTS = ("produced", "foreign", "reclaimed", "ack_lost", "set_aside")
 
 
 def not_trained(counters: Mapping[str, int]) -> int:
-    """Entries gone without training (stale, malformed, dead-lettered...), from the stream's
-    shared counters (buffer.redis_stream)."""
-    return sum(v for k, v in counters.items() if not k.startswith(_EVENTS) and k != "trained")
+    """Our producers' entries gone without training (stale, malformed, dead-lettered...), from
+    the stream's shared counters (buffer.redis_stream): each held slots of the staleness gate.
+    Another client's entries that did not decode (dead_lettered_foreign) never did."""
+    return sum(v for k, v in counters.items()
+               if not k.startswith(_EVENTS) and k not in ("trained", "dead_lettered_foreign"))
 
 
 @dataclass(frozen=True)
@@ -261,7 +263,7 @@ class Accounting:
             foreign=counters.get("foreign", 0) + foreign_backlog,
             trained=outcomes.pop("trained", 0),
             dropped_stale=outcomes.pop("dropped_stale", 0),
-            dead_lettered=outcomes.pop("dead_lettered", 0),
+            dead_lettered=outcomes.pop("dead_lettered", 0) + outcomes.pop("dead_lettered_foreign", 0),
             acked_other=outcomes,
             left_in_queue=left_in_queue,
             set_aside={k: v for k, v in counters.items() if k.startswith("set_aside:")},

@@ -52,19 +52,20 @@ AUTOCLAIM_IDS = """
 return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5], 'JUSTID')
 """
 
-# KEYS: stream, dead, counters. ARGV: group, consumer, maxlen, then (id, reason, detail, raw)...
+# KEYS: stream, dead, counters. ARGV: group, consumer, maxlen, then (id, reason, detail, raw,
+# counter)...: counter is the fate's name, dead_lettered (or dead_lettered_foreign)
 DEAD_LETTER = """
 local n = 0
-for i = 4, #ARGV, 4 do
+for i = 4, #ARGV, 5 do
   local id = ARGV[i]
   if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) == 1 then
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'id', id, 'reason', ARGV[i + 1],
                'detail', ARGV[i + 2], 'consumer', ARGV[2], 'raw', ARGV[i + 3])
     redis.call('XACK', KEYS[1], ARGV[1], id)
     redis.call('XDEL', KEYS[1], id)
+    redis.call('HINCRBY', KEYS[3], ARGV[i + 4], 1)
     n = n + 1
   end
 end
-if n > 0 then redis.call('HINCRBY', KEYS[3], 'dead_lettered', n) end
 return n
 """

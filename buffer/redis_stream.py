@@ -13,7 +13,8 @@ Keys, for stream name S:
                   satisfy produced = sum of ack reasons + dead_lettered + backlog + pending;
                   plus events that are not fates: reclaimed, ack_lost, set_aside[:reason], and
                   foreign: entries first delivered without our producer field (b"p"), i.e.
-                  written by another client; their fates are counted like any other's
+                  written by another client; their fates are counted like any other's, but
+                  for dead_lettered_foreign: those that did not decode at first delivery
     S:prompt_positions  producer name -> prompts it had taken at its last put (`put` writes it
                   with the groups, atomically), where a restarted producer continues
 
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 
 import redis
@@ -290,6 +291,7 @@ class RedisExperienceQueue:
         if count <= 0:
             raise ValueError(f"count must be > 0, got {count}")
         entries = (self._recovering and self._recover_own(count)) or self._reclaim(count)
+        foreign: set[str] = set()
         if not entries:
             reply = self._r.xreadgroup(
                 self.group, self.consumer, {self.stream: ">"}, count=count,
@@ -299,8 +301,9 @@ class RedisExperienceQueue:
                 reply = [[k, v[0]] for k, v in reply.items()]
             fields = reply[0][1] if reply else []
             entries = [(i, f.get(FIELD, b"")) for i, f in fields]
-            if foreign := sum(PRODUCER not in f for _, f in fields):  # first delivery: count once
-                self._r.hincrby(self.counters_key, "foreign", foreign)
+            foreign = {i.decode() for i, f in fields if PRODUCER not in f}
+            if foreign:  # first delivery: count once
+                self._r.hincrby(self.counters_key, "foreign", len(foreign))
         payloads = [data for _, data in entries]
         out, bad = [], []
         for (raw_id, data), group in zip(entries, decode_batch(payloads)):
@@ -310,7 +313,7 @@ class RedisExperienceQueue:
                 bad.append((raw_id.decode(), group, data))
         self._held.update([r.entry_id for r in out])
         if bad:
-            self._dead_letter(bad)
+            self._dead_letter(bad, foreign)
         return out
 
     def reject(self, rejected: Sequence[tuple[Received, TrajectoryError]]) -> None:
@@ -320,11 +323,14 @@ class RedisExperienceQueue:
             self._dead_letter([(r.entry_id, err, encode(r.group)) for r, err in rejected])
             self._held.difference_update(r.entry_id for r, _ in rejected)
 
-    def _dead_letter(self, bad: list[tuple[str, TrajectoryError, bytes]]) -> None:
+    def _dead_letter(self, bad: list[tuple[str, TrajectoryError, bytes]], foreign: Set[str] = frozenset()) -> None:
+        """Entries of `foreign` (another client's, at their first delivery) are counted
+        dead_lettered_foreign: they never held a slot of the staleness gate (not_trained)."""
         args: list = [self.group, self.consumer, self.dead_letter_maxlen]
         for entry_id, err, data in bad:
             log.warning("dead-lettering entry %s: %s", entry_id, err)
-            args += [entry_id, err.reason, err.detail, data]
+            counter = "dead_lettered_foreign" if entry_id in foreign else "dead_lettered"
+            args += [entry_id, err.reason, err.detail, data, counter]
         self._dead_script(keys=[self.stream, self.dead_stream, self.counters_key], args=args)
 
     def _owned_args(self, ids: Sequence[str]) -> list:

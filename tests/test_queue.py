@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from async_rlhf.config import QueueConfig
+from async_rlhf.messages import not_trained
 from async_rlhf.types import TrajectoryError
 from buffer.codec import decode, encode
 from buffer.redis_server import EmbeddedRedis
@@ -113,6 +114,8 @@ def test_entries_written_by_a_foreign_client_are_counted_and_accounted(make_queu
     assert summary.counters["foreign"] == 3 and summary.foreign == 3
     assert (summary.produced, summary.trained, summary.dead_lettered) == (2, 2, 3)
     assert summary.lost == 0 and summary.left_in_queue == 0
+    # they never held gate slots: nothing of ours went untrained, so no slot is given back
+    assert summary.counters["dead_lettered_foreign"] == 3 and not_trained(summary.counters) == 0
 
 
 def test_a_restarted_consumer_takes_back_what_its_predecessor_held_at_once(make_queue):
@@ -314,7 +317,7 @@ def test_malformed_entries_are_dead_lettered_while_good_ones_flow(
     assert sorted(ids_of(got)) == sorted(f"group-{10 + i}" for i in range(6))
     stats = consumer.stats()
     assert (stats.backlog, stats.pending, stats.dead_letters) == (0, 6, 7)
-    assert stats.counters["dead_lettered"] == 7
+    assert stats.counters["dead_lettered_foreign"] == 7  # written without our producer field
     letters = consumer.dead_letters()
     assert [d.reason for d in letters] == [*bad, "garbage"]
     assert [d.raw for d in letters] == [*bad.values(), b""]
