@@ -325,7 +325,19 @@ class Job:
         if self.evaluator is not None:  # it follows the weights as a generator does
             gens.append(("evaluator", self.evaluator))
         address = ray.get(self.learners[0].open_epoch.remote(len(gens) + 1))
-        ray.get([h.join_epoch.remote(address, rank) for rank, (_, h) in enumerate(gens, start=1)])
+        joins = [h.join_epoch.remote(address, rank) for rank, (_, h) in enumerate(gens, start=1)]
+        dead = []
+        for (gid, _), ref in zip(gens, joins):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:  # died since the last tick saw it alive
+                if gid not in self.generators:
+                    raise  # the evaluator
+                dead.append((gid, type(e).__name__))
+        for gid, why in dead:
+            self._lose_generator(gid, why)
+        if dead:  # a group without them
+            return self._new_epoch()
         log.info("weight-sync epoch %d: learner + %s", address.epoch, [g for g, _ in gens])
 
     # -- the loop --------------------------------------------------------------------------
