@@ -69,3 +69,21 @@ for i = 4, #ARGV, 5 do
 end
 return n
 """
+
+# One put chunk, at most once: a client that retries it (its reply lost to a dropped connection,
+# say, after the server applied it) must not append the groups twice. Each producer numbers its
+# chunks; the stream's hash S:put_seq keeps the last number applied per producer.
+# KEYS: stream, counters, prompt_positions, put_seq. ARGV: producer, seq, group, prompt position
+# ('' for none), payload field, producer field, then the payloads. Returns the backlog after it.
+PUT = """
+local last = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '-1')
+if tonumber(ARGV[2]) > last then
+  for i = 7, #ARGV do
+    redis.call('XADD', KEYS[1], '*', ARGV[5], ARGV[i], ARGV[6], ARGV[1])
+  end
+  redis.call('HINCRBY', KEYS[2], 'produced', #ARGV - 6)
+  if ARGV[4] ~= '' then redis.call('HSET', KEYS[3], ARGV[1], ARGV[4]) end
+  redis.call('HSET', KEYS[4], ARGV[1], ARGV[2])
+end
+return redis.call('XLEN', KEYS[1]) - redis.call('XPENDING', KEYS[1], ARGV[3])[1]
+"""

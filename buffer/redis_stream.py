@@ -17,6 +17,8 @@ Keys, for stream name S:
                   for dead_lettered_foreign: those that did not decode at first delivery
     S:prompt_positions  producer name -> prompts it had taken at its last put (`put` writes it
                   with the groups, atomically), where a restarted producer continues
+    S:put_seq     producer name -> the number of its last put chunk applied: a chunk retried
+                  after its reply was lost is not appended again
 
 Lifecycle of an entry: `put` XADDs it; `get` delivers it to one consumer (XREADGROUP, or
 XAUTOCLAIM once it has been idle for claim_idle_ms in the hands of another consumer, presumed
@@ -124,7 +126,7 @@ class RedisExperienceQueue:
         self.consumer = consumer
         self.stream, self.group = stream, group
         self.dead_stream, self.counters_key = f"{stream}:dead", f"{stream}:counters"
-        self.positions_key = f"{stream}:prompt_positions"
+        self.positions_key, self.put_seq_key = f"{stream}:prompt_positions", f"{stream}:put_seq"
         self.max_backlog, self.claim_idle_ms = max_backlog, claim_idle_ms
         self.max_deliveries = max_deliveries
         self.dead_letter_maxlen, self.put_chunk = dead_letter_maxlen, put_chunk
@@ -132,6 +134,8 @@ class RedisExperienceQueue:
         self._renew_script = client.register_script(redis_scripts.RENEW)
         self._dead_script = client.register_script(redis_scripts.DEAD_LETTER)
         self._autoclaim_script = client.register_script(redis_scripts.AUTOCLAIM_IDS)
+        self._put_script = client.register_script(redis_scripts.PUT)
+        self._put_seq: int | None = None  # the number of this producer's last put chunk
         self._claim_cursor = b"0-0"
         self._held: set[str] = set()  # delivered to this consumer, not yet acked
         self._recovering = True  # until _recover_own finds nothing a predecessor left
@@ -191,8 +195,8 @@ class RedisExperienceQueue:
     def put(self, groups: Sequence[Group], timeout_s: float | None = None,
             prompt_position: int | None = None) -> None:
         """Append the groups, one entry each, put_chunk entries at a time: each chunk is one
-        MULTI/EXEC of XADDs plus the `produced` count, which also measures the backlog for the
-        next chunk.
+        script (its XADDs and the `produced` count, at most once however often the client
+        retries it), which also measures the backlog for the next chunk.
         A chunk waits (up to timeout_s, None: forever; then QueueFull) while the backlog leaves
         no room for it; a chunk larger than max_backlog waits for an empty backlog. The check
         precedes the append, so concurrent producers may overshoot by one chunk each.
@@ -204,16 +208,19 @@ class RedisExperienceQueue:
             payloads = [encode(g) for g in chunk]
             if chunk and self._backlog_seen > max(self.max_backlog - len(chunk), 0):
                 self._wait_for_room(len(chunk), timeout_s, start)
-            pipe = self._r.pipeline(transaction=True)
-            for data in payloads:  # = pipe.xadd(self.stream, {FIELD: data}), ~0.5 us less each
-                pipe.execute_command("XADD", self.stream, "*", FIELD, data, PRODUCER, self.consumer)
-            pipe.hincrby(self.counters_key, "produced", len(chunk))
-            if prompt_position is not None and i == len(chunks) - 1:
-                pipe.hset(self.positions_key, self.consumer, prompt_position)
-            pipe.xlen(self.stream)
-            pipe.xpending(self.stream, self.group)
-            *_, length, pending = pipe.execute()
-            self._backlog_seen = length - pending["pending"]
+            position = prompt_position if prompt_position is not None and i == len(chunks) - 1 else ""
+            self._backlog_seen = self._put_chunk(payloads, position)
+
+    def _put_chunk(self, payloads: Sequence[bytes], position: int | str, seq: int | None = None) -> int:
+        """Append one chunk at most once (redis_scripts.PUT), numbered `seq` (default: this
+        producer's next); returns the backlog after it."""
+        if seq is None:
+            if self._put_seq is None:  # a restarted producer goes on from its predecessor's
+                self._put_seq = int(self._r.hget(self.put_seq_key, self.consumer) or -1)
+            self._put_seq = seq = self._put_seq + 1
+        keys = [self.stream, self.counters_key, self.positions_key, self.put_seq_key]
+        return self._put_script(keys=keys, args=[self.consumer, seq, self.group, position, FIELD, PRODUCER,
+                                                 *payloads])
 
     def prompt_positions(self) -> dict[str, int]:
         """Producer name -> how many prompts it had taken when its last put went in. A producer
