@@ -354,8 +354,8 @@ class Job:
             step_start = time.perf_counter()
             try:
                 metrics = self._step()
-            except ray.exceptions.RayActorError as e:  # a rank died (a task error still ends the job)
-                version = self._restart_learners(type(e).__name__)
+            except _RankDied as e:  # (a task error still ends the job)
+                version = self._restart_learners(str(e))
                 continue
             version = metrics.version
             reason = cluster.stop_request(cfg.job)
@@ -371,12 +371,19 @@ class Job:
         ray = self.ray
         refs = [l.step.remote() for l in self.learners]
         while len(ready := ray.wait(refs, num_returns=len(refs), timeout=TICK_S)[0]) < len(refs):
-            for ref in ready:  # a rank that failed: raise now, not after the others' timeout
-                ray.get(ref)
+            self._rank_results(ready)  # a rank that failed: raise now, not after the others' timeout
             self._tick()
         if time.monotonic() - self.last_tick >= TICK_S:  # fast steps: still watch each second
             self._tick()
-        return ray.get(refs)[0]  # raises if a rank failed
+        return self._rank_results(refs)[0]
+
+    def _rank_results(self, refs: list) -> list:
+        """The ranks' results; a rank's death raises _RankDied (only theirs: an actor error
+        from anything else the tick calls is no reason to restart the learner)."""
+        try:
+            return self.ray.get(refs)
+        except self.ray.exceptions.RayActorError as e:
+            raise _RankDied(type(e).__name__) from e
 
     def _tick(self) -> None:
         """While a step runs: watch generators, take requests, publish the status snapshot."""
@@ -499,6 +506,10 @@ class Job:
         if self.metrics is not None:
             self.metrics.close()
         print(self.summary.line())
+
+
+class _RankDied(Exception):
+    """A learner rank's actor died during a step (the message: Ray's error type)."""
 
 
 @functools.cache
