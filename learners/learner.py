@@ -99,6 +99,7 @@ class Learner:
         self.version = 0
         self._saved_version = -1  # the version of the newest checkpoint written or loaded
         self._last_progress = time.monotonic()  # when data last arrived (learner.wait_s)
+        self._giving_up = False  # the job is ending with an error: stop waiting for data
         self.counters: collections.Counter[str] = collections.Counter()
         self._publish = publisher is not None
         if self.world > 1:  # every rank joins the ZeRO-3 gather iff rank 0 publishes
@@ -208,6 +209,9 @@ class Learner:
             first_use += draw.first_use
             if fresh or draw.items:
                 self.keep_waiting()
+            elif self._giving_up:
+                raise RuntimeError(f"the job is ending: the step at version {self.version} stops "
+                                   f"waiting for data ({len(items)}/{need} collected)")
             elif time.monotonic() - self._last_progress > self.cfg.wait_s:
                 raise TimeoutError(
                     f"no usable groups for {self.cfg.wait_s:.0f} s at version {self.version} "
@@ -221,6 +225,11 @@ class Learner:
     def keep_waiting(self) -> None:
         """Restart the learner.wait_s clock (data arrived, or the launcher knows why none can)."""
         self._last_progress = time.monotonic()
+
+    def give_up_waiting(self) -> None:
+        """The job ends with an error: a step waiting for data that may never come raises
+        instead, so that the checkpoint need not wait learner.wait_s for it."""
+        self._giving_up = True
 
     def _renew(self, items: list[Received], first_use: list[str]) -> tuple[list[Received], list[str]]:
         """Keep the first-use items this consumer still owns, their reclaim timers reset, so

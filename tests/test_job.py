@@ -224,6 +224,22 @@ def test_generators_and_redis_die_and_the_job_goes_on_losing_nothing(tmp_path, t
     assert password and not any(password in text for text in outputs)
 
 
+def test_a_job_whose_last_generator_dies_ends_at_once(tmp_path, tiny_actor_model):
+    """The only generator killed with no restarts left: the job ends saying so, and the learner
+    step waiting for data that cannot come does not hold the shutdown for learner.wait_s."""
+    name = "orphan"
+    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "generator.max_restarts=0",
+                  "learner.wait_s=600")
+    with _interrupted_on_failure(proc):
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
+        (gen,) = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))["generators"]
+        os.kill(gen["pid"], signal.SIGKILL)
+        assert proc.wait(300) == 1  # not learner.wait_s = 600 s later
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    assert "no generator is running" in summary["error"] and summary["lost"] == 0
+    assert any((tmp_path / name / "checkpoints").iterdir())
+
+
 def _cli_result(tmp_path: Path, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "async_rlhf.launch.cli", *args], capture_output=True,
                           text=True, env=_env(tmp_path), timeout=timeout_s)
@@ -315,9 +331,9 @@ def test_failed_start_ends_with_a_clear_error_and_a_summary(tmp_path, tiny_actor
                   f"rewards=[{{kind: model, target: '{broken}'}}]")
     assert proc.wait(300) == 1
     log = (tmp_path / f"{name}.log").read_text()
-    assert "no_such_architecture" in log and "no generator could start" in log
+    assert "no_such_architecture" in log and "no generator is running: none could start" in log
     summary = json.loads((tmp_path / name / "summary.json").read_text())
-    assert "no generator could start" in summary["error"]
+    assert "no generator is running" in summary["error"]
     assert summary["lost"] == 0
 
 

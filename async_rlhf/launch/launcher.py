@@ -315,7 +315,8 @@ class Job:
                 ray.get(self.coordinator.set_placement.remote(request_id, f"ready {gid}"))
             print(f"generator {gid} ready")
         if not self.generators and not self.starting and not self.due_restarts:
-            raise RuntimeError("no generator could start (see the errors above)")
+            raise RuntimeError("no generator is running: none could start, or every one died with "
+                               "generator.max_restarts spent (see the errors above)")
 
     def _new_epoch(self) -> None:
         """Form a weight-sync group of the learner and the live generators. It forms in the
@@ -485,6 +486,8 @@ class Job:
         ray = self.ray
         if self.learners:
             try:  # first: a step in flight completes with the generators still feeding it
+                if self.error:  # ...unless the job failed: their data may never come
+                    ray.get([l.give_up_waiting.remote() for l in self.learners], timeout=60)
                 export = ray.get([l.finish.remote() for l in self.learners], timeout=600)
                 print(f"policy exported to {export[0]}")
             except Exception as e:  # noqa: BLE001 - a failed learner must not block the summary

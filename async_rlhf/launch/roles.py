@@ -344,6 +344,11 @@ class LearnerWorker:
         towards learner.wait_s. Runs beside a step (a threaded actor)."""
         self.learner.keep_waiting()
 
+    def give_up_waiting(self) -> None:
+        """The job ends with an error: a step in flight waiting for data stops waiting. Runs
+        beside a step (a threaded actor)."""
+        self.learner.give_up_waiting()
+
     def open_epoch(self, world_size: int) -> SyncAddress:
         """Called while a step may be running (a threaded actor): touches only the broadcaster."""
         return self.broadcaster.open_epoch(world_size)
