@@ -355,9 +355,6 @@ class CoordinatorSnapshot:
     gate_running: int
     requests: Mapping[int, str]
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> CoordinatorSnapshot:
         job = d["job"]

@@ -399,9 +399,10 @@ class RedisExperienceQueue:
             counters={k.decode(): int(v) for k, v in counters.items()},
         )
 
-    def accounting(self) -> Accounting:
-        """Where every entry (group) went, from the shared counters (see Accounting)."""
-        stats = self.stats()
+    def accounting(self, stats: QueueStats | None = None) -> Accounting:
+        """Where every entry (group) went, from the shared counters (see Accounting); `stats`:
+        ones just read, else they are read now."""
+        stats = self.stats() if stats is None else stats
         return Accounting.from_counters(stats.counters, stats.backlog + stats.pending, self._foreign_backlog())
 
     def _foreign_backlog(self) -> int:

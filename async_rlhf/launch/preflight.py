@@ -3,8 +3,8 @@
 Before Ray, Redis or an engine starts, every reward target is resolved (a function imported, a
 reward-model directory or a URL checked), the data source is read through (every JSONL line, a
 data set's records, a held-out eval file), and the model directory's config and tokenizer files
-are there (a chat template checked where the prompts need one). A problem raises ConfigError with the
-value and the fix; the CLI prints it as one line and exits 2, within seconds."""
+are there (a chat template checked where the prompts need one). A problem raises ConfigError
+with the value and the fix; the CLI prints it as one line and exits 2, within seconds."""
 
 from __future__ import annotations
 

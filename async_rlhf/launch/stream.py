@@ -30,6 +30,7 @@ class JobStream:
                                                       retries=35 if server is None else 3)
         self.forgotten = 0  # groups gone untrained whose gate slots were already returned
         self.left_in_queue = 0  # as of the last read
+        self.last_stats: QueueStats | None = None  # newly_gone's
         self.restarts = 0  # of the redis-server
 
     def check_fresh(self, resume: bool) -> int:
@@ -54,7 +55,7 @@ class JobStream:
     def newly_gone(self) -> int:
         """Samples of the groups gone untrained (stale, malformed, dead-lettered) since the last
         call: their gate slots go back."""
-        stats = self.stats()
+        self.last_stats = stats = self.stats()
         self.left_in_queue = stats.backlog + stats.pending
         gone, before = not_trained(stats.counters), self.forgotten
         self.forgotten = max(gone, before)
@@ -64,7 +65,8 @@ class JobStream:
         return self._read(self.queue.stats)
 
     def accounting(self) -> Accounting:
-        return self._read(self.queue.accounting)
+        """From the stats the last newly_gone read (each tick reads them once)."""
+        return self._read(lambda: self.queue.accounting(self.last_stats))
 
     def _read(self, read: Callable[[], T]) -> T:
         """A read of the stream; the job's own redis-server, found dead before or during the
