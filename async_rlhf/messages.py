@@ -150,9 +150,9 @@ class GeneratorStats:
     `produced` and `tokens` count samples put on the queue, `groups` the groups they came in
     (one stream entry each); `set_aside` counts groups set aside, by reason. Engine loop time is
     generate_s (steps) + idle_s (nothing to run) + weight_update_s; score_s and put_s overlap it
-    (the scorer thread). mean_inflight: sequences in the engine, averaged over the steps' time;
-    inflight_updates: weight updates that sequences in flight went on with. node, pid, node_id,
-    weight_receive_s and error are the Ray actor's (empty outside one)."""
+    (score_s sums the scorer threads'). mean_inflight: sequences in the engine, averaged over
+    the steps' time; inflight_updates: weight updates that sequences in flight went on with.
+    node, pid, node_id, weight_receive_s and error are the Ray actor's (empty outside one)."""
 
     generator_id: str
     policy_version: int
