@@ -317,10 +317,14 @@ class JobSummary:
                    placement=d["placement"], error=d.get("error", ""), shutdown_s=d.get("shutdown_s"))
 
     def line(self) -> str:
-        """The console's last word: summary: produced=..., ..., lost=... (; error: ...)."""
+        """The console's last word: summary: produced=..., ..., lost=... (; error: ...); other ack
+        reasons (duplicate=...) where there are any, before left_in_queue."""
         acc = self.accounting
-        counts = ", ".join(f"{k}={getattr(acc, k)}" for k in Accounting.LINE) if acc else ""
-        return f"summary: {counts}" + (f"; error: {self.error.splitlines()[0]}" if self.error else "")
+        counts = [f"{k}={getattr(acc, k)}" for k in Accounting.LINE] if acc else []
+        if acc:
+            at = Accounting.LINE.index("left_in_queue")
+            counts[at:at] = [f"{k}={v}" for k, v in sorted(acc.acked_other.items()) if v]
+        return f"summary: {', '.join(counts)}" + (f"; error: {self.error.splitlines()[0]}" if self.error else "")
 
 
 # -- the running job, for `async-rlhf status` --------------------------------------------------
