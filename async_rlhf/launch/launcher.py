@@ -43,6 +43,7 @@ from async_rlhf.procs import stop_on_signals
 log = logging.getLogger("async_rlhf")
 
 TICK_S = 1.0
+RANK_PING_S = 30.0  # the most a learner rank may take to answer whether it lives
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -380,11 +381,35 @@ class Job:
 
     def _rank_results(self, refs: list) -> list:
         """The ranks' results; a rank's death raises _RankDied (only theirs: an actor error
-        from anything else the tick calls is no reason to restart the learner)."""
+        from anything else the tick calls is no reason to restart the learner). When one rank
+        dies, another's collective with it may fail first, as that rank's task error (gloo:
+        "Connection reset by peer"): then a rank found dead is the cause, and the error ends
+        the job only when every rank lives."""
+        ray = self.ray
         try:
-            return self.ray.get(refs)
-        except self.ray.exceptions.RayActorError as e:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
             raise _RankDied(type(e).__name__) from e
+        except ray.exceptions.RayTaskError as e:
+            dead = self._dead_ranks()
+            if dead:
+                raise _RankDied(f"rank {dead[0]} died; the step of another failed with it: "
+                                f"{str(e).strip().splitlines()[-1][:200]}") from e
+            raise
+
+    def _dead_ranks(self) -> list[int]:
+        """The learner ranks whose actor is dead: each is asked for its pid (a rank whose death
+        Ray has not noticed yet fails the call when it does)."""
+        ray, dead = self.ray, []
+        pings = [learner.pid.remote() for learner in self.learners]
+        for rank, ping in enumerate(pings):
+            try:
+                ray.get(ping, timeout=RANK_PING_S)
+            except ray.exceptions.RayActorError:
+                dead.append(rank)
+            except ray.exceptions.GetTimeoutError:  # alive, busy: not known dead
+                pass
+        return dead
 
     def _tick(self) -> None:
         """While a step runs: watch generators, take requests, publish the status snapshot."""
