@@ -171,6 +171,10 @@ class GeneratorConfig(_Section):
     # reward call holds back only its own group. Each worker holds a copy of the rewards
     # (a reward model's memory too).
     reward_concurrency: int = 2
+    # A generator whose engine takes no step for this many seconds while it holds sequences
+    # (a hung engine loop: its process still answers) is killed and replaced like a dead one.
+    # One step takes well under a second here: the default leaves room for any slow machine.
+    stall_s: float = 300.0
     # Load the weights of version V - weight_lag when version V arrives (0: the newest), so that
     # every sample is exactly min(V, weight_lag) versions old when trained: the staleness study
     # (`async-rlhf study staleness`) uses it to realise k whatever the stages' speeds.
@@ -181,7 +185,7 @@ class GeneratorConfig(_Section):
         _check(self.weight_lag >= 0, "generator.weight_lag", self.weight_lag, ">= 0")
         _check(0 <= self.nice <= 19, "generator.nice", self.nice, "from 0 (normal priority) to 19 (lowest)")
         self._positive("count", "group_size", "max_new_tokens", "threads", "reward_concurrency")
-        self._positive("temperature", "tensor_parallel")
+        self._positive("temperature", "tensor_parallel", "stall_s")
         _check(all(self.stop), "generator.stop", list(self.stop),
                "a list of non-empty strings (an empty one would stop every response at once)")
         _check(self.max_inflight >= self.group_size, "generator.max_inflight", self.max_inflight,

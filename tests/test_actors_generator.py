@@ -18,6 +18,7 @@ from actors.generator import Generator, make_generator
 from actors.prompts import PromptStream
 from actors.rewards import FunctionReward, Scorer
 from async_rlhf.config import Config, DataConfig, GeneratorConfig, ModelConfig, RewardSpec
+from async_rlhf.launch.stall import StallWatch
 from async_rlhf.protocols import QueueStats
 from async_rlhf.staleness import StalenessGate
 from async_rlhf.types import Sample
@@ -114,6 +115,42 @@ def test_new_groups_never_overtake_old_ones_in_the_stream(tiny_actor_model):
     (long,) = [g for g in queue.items if len(g.members[0].response_ids) == 300]
     assert [t.version_spans for t in long.members] == [((0, 0), (1, long.members[0].version_spans[1][1]))] * 2
     assert gen.stats().inflight_updates == 1 and gate.running == 0
+
+
+class HangingEngine(ScriptedEngine):
+    """Its third step never returns (until released): a hung engine loop."""
+
+    def __init__(self):
+        super().__init__([10**6])
+        self.release, self.calls = threading.Event(), 0
+
+    def step(self):
+        self.calls += 1
+        if self.calls == 3:
+            self.release.wait()
+        return super().step()
+
+
+def test_a_generator_whose_engine_hangs_reports_frozen_steps_with_sequences(tiny_actor_model):
+    """The stats a launcher reads (from another thread) while the engine loop hangs: the step
+    count stays, the engine holds sequences, and the watchdog calls it stalled."""
+    engine = HangingEngine()
+    gen = _generator(engine, tiny_actor_model, ListQueue(), StalenessGate(max_staleness=10**6, batch_size=8))
+    stop = threading.Event()
+    runner = threading.Thread(target=gen.run, args=(stop,))
+    runner.start()
+    try:
+        while engine.calls < 3:
+            time.sleep(0.01)
+        watch, first = StallWatch(stall_s=60), gen.stats()
+        assert first.steps == 2 and first.sequences > 0
+        assert watch.stalled(first.generator_id, first.steps, first.sequences, now=0) == ""
+        later = gen.stats()
+        assert watch.stalled(later.generator_id, later.steps, later.sequences, now=61).startswith("stalled")
+    finally:
+        stop.set()
+        engine.release.set()
+        runner.join(30)
 
 
 def picky_reward(prompts, responses):

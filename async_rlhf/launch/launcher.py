@@ -35,6 +35,7 @@ from async_rlhf.launch import cluster
 from async_rlhf.launch.cli import add_config_arguments, config_from_args
 from async_rlhf.launch.metrics import MetricsLog, StepRecord
 from async_rlhf.launch.preflight import preflight
+from async_rlhf.launch.stall import StallWatch
 from async_rlhf.launch.stream import JobStream
 from async_rlhf.messages import (EvalResult, GeneratorStats, JobSnapshot, JobStatus, JobSummary, LearnerStatus,
                                  StepMetrics)
@@ -71,6 +72,8 @@ class Job:
         self.starting: dict[str, tuple[Any, Any]] = {}  # generator id -> (handle, ready ref)
         self.placement: dict[str, dict[str, float]] = {}  # generator id -> Ray resources asked
         self.restarts = 0  # generators replaced so far (generator.max_restarts at most)
+        self.stall_watch = StallWatch(cfg.generator.stall_s)
+        self.stalls = 0  # generators lost for making no progress (generator.stall_s)
         self.learner_restarts = 0  # learner.max_restarts at most
         self.learner_pid = 0
         self.due_restarts: list[tuple[float, str]] = []  # (monotonic time, generator id)
@@ -435,9 +438,13 @@ class Job:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
                 self._lose_generator(gid, f"{type(e).__name__}")
                 continue
-            if error := self.gen_stats[gid].error:
-                log.error("generator %s failed:\n%s", gid, error)
-                self._lose_generator(gid, error.strip().splitlines()[-1])
+            stats = self.gen_stats[gid]
+            if stats.error:
+                log.error("generator %s failed:\n%s", gid, stats.error)
+                self._lose_generator(gid, stats.error.strip().splitlines()[-1])
+            elif why := self.stall_watch.stalled(gid, stats.steps, stats.sequences, time.monotonic()):
+                self.stalls += 1
+                self._lose_generator(gid, why)
         if not self.generators:  # all being replaced: the learner's wait is not theirs to time out
             self.learners[0].keep_waiting.remote()
         failures = self.last_metrics.weight_sync_failures if self.last_metrics else 0
@@ -458,6 +465,7 @@ class Job:
         ray = self.ray
         handle = self.generators.pop(gid)
         ray.kill(handle)  # first: a half-alive generator must not finish a batch after release
+        self.stall_watch.forget(gid)
         freed = ray.get(self.coordinator.release.remote(gid))
         print(f"generator {gid} lost ({why}); {freed} admitted samples released", file=sys.stderr)
         budget = self.cfg.generator.max_restarts
@@ -503,7 +511,8 @@ class Job:
                                 of_steps=self.cfg.learner.steps, pid=self.learner_pid,
                                 restarts=self.learner_restarts)
         return JobSnapshot(job=self.cfg.job, out=str(self.out), learner=learner,
-                           generators=tuple(self.gen_stats.values()), generator_restarts=self.restarts)
+                           generators=tuple(self.gen_stats.values()), generator_restarts=self.restarts,
+                           generator_stalls=self.stalls)
 
     # -- the end ---------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -528,7 +537,8 @@ class Job:
             accounting=self.stream.queue.accounting() if self.stream is not None else None,
             generators=tuple(self.gen_stats.values()),
             wall_s=time.time() - self.start_time,  # since the command, before Ray and Redis stop
-            redis_restarts=self.stream.restarts if self.stream is not None else 0, startup=self.startup,
+            redis_restarts=self.stream.restarts if self.stream is not None else 0,
+            generator_stalls=self.stalls, startup=self.startup,
             placement=self.placement_line or "manual", error=self.error)
         self._write_summary()
         if self.metrics is not None:
