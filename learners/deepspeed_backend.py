@@ -2,7 +2,9 @@
 
 One instance per data-parallel rank (the launcher starts `ranks` processes with RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT set; a lone process needs none of them). gloo on CPU,
-NCCL on GPU, chosen by device. ZeRO stage 0-3 from LearnerConfig; fp32 or bf16 from ModelConfig.
+NCCL on GPU, chosen by device. ZeRO stage 0-3 from LearnerConfig; fp32 or bf16 weights from
+ModelConfig, and with fp32 weights forward passes under bf16 autocast per learner.mixed_precision
+(DeepSpeed's `torch_autocast`: fp32 weights, gradients and optimizer).
 
 Gradient scaling: the losses handed to `backward` are already a rank's share of the global loss
 (normalised by GLOBAL token/sequence counts, see learners/losses.py), so we undo DeepSpeed's
@@ -23,7 +25,7 @@ from torch import nn
 
 from async_rlhf.config import LearnerConfig
 from async_rlhf.procs import free_port
-from learners.models import DTYPES, HeldModels, default_device, load_models
+from learners.models import DTYPES, HeldModels, adamw, autocast_dtype, default_device, load_models
 
 
 def _import_deepspeed():
@@ -91,6 +93,7 @@ class DeepSpeedBackend(HeldModels):
             )
         torch.manual_seed(seed)
         self.dtype = DTYPES[dtype]
+        self.autocast = autocast_dtype(cfg.mixed_precision, self.device, self.dtype)
         models = load_models(cfg, policy, self.device, self.dtype)
         self.model, self.reference = models.policy, models.reference
         self.engine, *_ = deepspeed.initialize(
@@ -110,7 +113,7 @@ class DeepSpeedBackend(HeldModels):
     # -- setup -----------------------------------------------------------------------------
     def _optimizer(self, params, lr: float):
         if self.cfg.optimizer == "adamw_torch":
-            return torch.optim.AdamW(params, lr=lr, weight_decay=self.cfg.weight_decay)
+            return adamw(params, lr, self.cfg.weight_decay)
         from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam  # C++ build on first use
 
         if self.device != "cpu":
@@ -127,6 +130,9 @@ class DeepSpeedBackend(HeldModels):
             "gradient_clipping": cfg.grad_clip,
             "zero_optimization": {"stage": cfg.zero_stage},
             "bf16": {"enabled": self.dtype == torch.bfloat16},
+            # the engine's forward keeps our autocast only when it is configured here too
+            # (deepspeed/runtime/torch_autocast.py autocast_if_enabled turns an outer one off)
+            "torch_autocast": {"enabled": self.autocast is not None, "dtype": "bfloat16"},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 1 << 30,
         }

@@ -27,7 +27,7 @@ from learners.models import has_dropout
 
 def test_fixed_batch_objective_decreases_and_metrics_are_complete(make_learner):
     fixed = random_groups(2, vocab=VOCAB, seed=3)
-    learner, queue, publisher = make_learner(temperature=0.7)
+    learner, queue, publisher = make_learner(temperature=0.7, mixed_precision="off")
     be = learner.backend
     batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(fixed)])
     args = (batch.input_ids, batch.attention_mask, batch.positions)
@@ -59,6 +59,29 @@ def test_fixed_batch_objective_decreases_and_metrics_are_complete(make_learner):
     assert metrics.samples == 8 and metrics.tokens == 64 and math.isfinite(metrics.grad_norm)
     assert metrics.groups == 2 and metrics.group_size_min == 4 and metrics.groups_singleton == 0
     assert metrics.counts["groups"] == 8 and metrics.counts["samples"] == 32
+
+
+def test_mixed_precision_computes_in_bf16_and_keeps_float32_weights(make_learner):
+    """learner.mixed_precision=bf16: forward passes under bf16 autocast (log-probs close to the
+    float32 ones, not equal), while weights, their gradients and AdamW's state stay float32."""
+    fixed = random_groups(2, vocab=VOCAB, seed=3)
+    learner, queue, _ = make_learner(mixed_precision="bf16")
+    be = learner.backend
+    batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(fixed)])
+    args = (batch.input_ids, batch.attention_mask, batch.positions)
+    with torch.no_grad():
+        mixed = be.logprobs(*args)[0]
+        be.autocast = None
+        exact = be.logprobs(*args)[0]
+        be.autocast = torch.bfloat16
+    assert mixed.dtype == torch.float32 and not torch.equal(mixed, exact)
+    assert (mixed - exact).abs().max() < 0.05
+    queue.put([g.with_version(0) for g in fixed])
+    metrics = learner.step()
+    assert math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm)
+    assert {p.dtype for p in be.model.parameters()} == {torch.float32}
+    states = be._optimizers["policy"].state.values()
+    assert states and {s["exp_avg"].dtype for s in states} == {torch.float32}
 
 
 def with_member(group: Group, index: int, **changes) -> Group:
