@@ -131,8 +131,10 @@ class DeepSpeedBackend(HeldModels):
             "zero_optimization": {"stage": cfg.zero_stage},
             "bf16": {"enabled": self.dtype == torch.bfloat16},
             # the engine's forward keeps our autocast only when it is configured here too
-            # (deepspeed/runtime/torch_autocast.py autocast_if_enabled turns an outer one off)
-            "torch_autocast": {"enabled": self.autocast is not None, "dtype": "bfloat16"},
+            # (deepspeed/runtime/torch_autocast.py autocast_if_enabled turns an outer one off);
+            # no "lower precision safe" modules: gradients are reduced in float32, not bf16
+            "torch_autocast": {"enabled": self.autocast is not None, "dtype": "bfloat16",
+                               "lower_precision_safe_modules": []},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 1 << 30,
         }
