@@ -292,13 +292,14 @@ class LearnerConfig(_Section):
 class StageCosts(_Section):
     """Device-seconds one stage spends per sample on one device (a CPU core running one thread,
     or a GPU), which `placement: auto` sizes the stages from (async_rlhf/launch/placement.py). The
-    defaults are the small preset on a 2-core CPU box (README, Benchmarks): the learner ~5.4 s per 64
-    samples on one thread, vLLM ~1.3 s per 64 with 64 sequences in flight. `async-rlhf bench`
+    defaults are the small preset on a 2-core CPU box (README, Benchmarks): the learner ~2.7 s per 64
+    samples on one thread under bf16 autocast (5.4 s in float32), vLLM ~1.3 s per 64 with 64
+    sequences in flight. `async-rlhf bench`
     measures them (its stage bounds) for its auto settings."""
 
     _prefix = "stage_costs."
     generator_s: float = 0.02  # one generated sample, in device-seconds
-    learner_s: float = 0.084  # one trained sample, in device-seconds
+    learner_s: float = 0.042  # one trained sample, in device-seconds
 
     def _validate(self) -> None:
         self._positive("generator_s", "learner_s")
@@ -337,9 +338,9 @@ class Config(_Section):
     out: str = "runs/demo"  # output directory: metrics.jsonl, summary.json, checkpoints, the exported policy
     seed: int = 0  # seeds prompts, sampling and the learner
     max_staleness: int = 2  # k: a trajectory may be at most k policy versions old when trained on
-    # manual: generator.count/threads and learner.ranks/threads as given; auto: sized from
-    # stage_costs to the machine (async_rlhf/launch/placement.py), printed at start
-    placement: Literal["manual", "auto"] = "manual"
+    # auto: generator.count/threads and learner.ranks/threads sized from stage_costs to this
+    # machine (async_rlhf/launch/placement.py), printed at start; manual: as the config gives them
+    placement: Literal["manual", "auto"] = "auto"
     stage_costs: StageCosts = field(default_factory=StageCosts)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -460,6 +461,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
+_PLACED = (("generator", "count"), ("generator", "threads"), ("learner", "ranks"), ("learner", "threads"))
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterable[str] = ()) -> Config:
     """Build the config from a YAML file (or the defaults) plus `key=value` overrides."""
     raw: dict[str, Any] = {}
@@ -472,6 +476,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterabl
     for text in overrides:
         _set_dotted(raw, *parse_override(text))
     try:
-        return _build(Config, raw, "")
+        cfg = _build(Config, raw, "")
     except TypeError as e:  # a section given where a scalar belongs, or the reverse
         raise ConfigError(str(e)) from None
+    if cfg.placement == "auto":  # it sizes these: a value given for one would be overridden
+        for section, key in _PLACED:
+            given = raw.get(section)
+            _check(not (isinstance(given, dict) and key in given), f"{section}.{key}", given and given.get(key),
+                   "left out with placement: auto, which sizes it (or set placement: manual)")
+    return cfg
+

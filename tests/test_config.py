@@ -106,7 +106,7 @@ def test_cli_help_lists_commands(capsys):
 def test_cli_overrides_may_come_between_flags():
     from async_rlhf.launch.cli import config_from_args, parse
 
-    args, _ = parse(["train", "learner.steps=3", "--max-staleness", "1", "generator.count=2"])
+    args, _ = parse(["train", "learner.steps=3", "--max-staleness", "1", "placement=manual", "generator.count=2"])
     cfg = config_from_args(args)
     assert (cfg.learner.steps, cfg.max_staleness, cfg.generator.count) == (3, 1, 2)
     with pytest.raises(SystemExit):

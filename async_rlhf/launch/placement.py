@@ -79,7 +79,8 @@ def choose_placement(devices: int, gen_s: float, learn_s: float, *, shared: bool
 
 def apply_placement(cfg: Config, devices: int, gpu: bool) -> tuple[Config, str]:
     """`cfg` with generator.count/threads and learner.ranks/threads set by the rule (unchanged
-    unless cfg.placement is auto), and a line saying what was chosen and why."""
+    unless cfg.placement is auto), and a line saying what was chosen and why. The config returned
+    says placement: manual, with those counts: saved (OUT/config.yaml), it reruns as it ran."""
     if cfg.placement != "auto":
         return cfg, ""
     g, learner = cfg.generator, cfg.learner
@@ -98,7 +99,7 @@ def apply_placement(cfg: Config, devices: int, gpu: bool) -> tuple[Config, str]:
                          f"has {micro_batches} micro-batches, which do not split over them: make "
                          f"learner.batch_size a multiple of learner.micro_batch x {p.learner_devices}")
     cfg = dataclasses.replace(
-        cfg, generator=dataclasses.replace(g, count=p.gen_devices // unit, threads=1, nice=g.nice if gpu else 19),
+        cfg, placement="manual", generator=dataclasses.replace(g, count=p.gen_devices // unit, threads=1, nice=g.nice if gpu else 19),
         learner=dataclasses.replace(learner, ranks=ranks, threads=threads))
     chosen = (f"placement auto: {cfg.generator.count} generator(s) x {unit} "
               f"{'GPU' if gpu else 'thread'}(s){'' if gpu else ' at nice 19'}, learner {ranks} rank(s) x "
