@@ -84,6 +84,30 @@ def test_mixed_precision_computes_in_bf16_and_keeps_float32_weights(make_learner
     assert states and {s["exp_avg"].dtype for s in states} == {torch.float32}
 
 
+def test_micro_batches_of_like_length_trimmed_of_padding_give_the_whole_batch_gradient(make_learner):
+    """The learner sorts a rank's rows by length and cuts each micro-batch to its longest row
+    (Batch.trimmed): in float32 the summed gradient is that of the whole padded batch's loss."""
+    members = [t for g in random_groups(2, vocab=VOCAB, seed=6) for t in g.members]
+    members = [dataclasses.replace(t, prompt_ids=t.prompt_ids[:2 + i % 5], response_ids=t.response_ids[:1 + 3 * i % 8],
+                                   behavior_logprobs=t.behavior_logprobs[:1 + 3 * i % 8])
+               for i, t in enumerate(members)]  # prompts of 2-6 tokens, responses of 1-8
+    groups = [Group(tuple(members[:4])), Group(tuple(members[4:]))]
+    learner, queue, _ = make_learner(groups, mixed_precision="off", micro_batch=2)
+    be = learner.backend
+    batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(groups)])
+    logp = be.logprobs(batch.input_ids, batch.attention_mask, batch.positions)[0]
+    adv = grpo_advantages(batch.rewards, batch.groups)[:, None] * batch.mask
+    loss = policy_loss(logp, logp.detach(), batch.behavior_logp, adv, batch.mask,
+                       num_tokens=float(batch.mask.sum()), num_seqs=8.0)[0]
+    want = torch.autograd.grad(loss, list(be.model.parameters()))
+    summed = []  # the gradient accumulated over the micro-batches, in place of AdamW's step
+    be.step = lambda critic=False: summed.append([p.grad.clone() for p in be.model.parameters()]) or 1.0
+    learner.step()
+    assert len(summed) == 4  # 8 rows in micro-batches of 2
+    for got, ref in zip(summed[-1], want):
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-7), float((got - ref).abs().max())
+
+
 def with_member(group: Group, index: int, **changes) -> Group:
     """`group` with member `index` changed."""
     members = list(group.members)
