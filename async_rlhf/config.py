@@ -252,8 +252,8 @@ class LearnerConfig(_Section):
     flash_attention: bool = True  # flash-attention 2 on GPU when installed; CPU always uses sdpa
     # bf16: forward passes under bf16 autocast with float32 weights, gradients and optimizer
     # (mixed precision, the standard trainers' default); auto: bf16 where the device computes it
-    # natively (a GPU with bf16, a CPU with avx512_bf16 or AMX), else off; off: float32 throughout
-    mixed_precision: Literal["auto", "bf16", "off"] = "auto"
+    # natively (a GPU with bf16, a CPU with avx512_bf16 or AMX), else fp32; fp32: float32 throughout
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     wait_s: float = 60.0  # a step fails if the stream delivers nothing usable for this long
     max_restarts: int = 3  # a dead learner rank restarts (all ranks, from the newest checkpoint)
 

@@ -45,7 +45,7 @@ def bf16_native(device: str) -> bool:
 def autocast_dtype(mode: str, device: str, weights: torch.dtype) -> torch.dtype | None:
     """The dtype forward passes autocast to under learner.mixed_precision=`mode` (None: none).
     Weights already in bf16 need none."""
-    if weights != torch.float32 or mode == "off" or (mode == "auto" and not bf16_native(device)):
+    if weights != torch.float32 or mode == "fp32" or (mode == "auto" and not bf16_native(device)):
         return None
     return torch.bfloat16
 

@@ -24,6 +24,9 @@ def test_yaml_and_overrides(tmp_path):
     assert cfg.learner.lr == 1e-5 and cfg.learner.zero_stage == 2
     assert cfg.generator.engine == "hf"
     assert cfg.queue.redis_url == "redis://h:1"
+    # every choice of learner.mixed_precision survives YAML as a string (YAML reads `off` as false)
+    for choice in ("auto", "bf16", "fp32"):
+        assert load_config(None, [f"learner.mixed_precision={choice}"]).learner.mixed_precision == choice
 
 
 def test_ints_accepted_for_floats():

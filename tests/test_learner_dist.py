@@ -137,7 +137,7 @@ def _worker(spec: dict) -> None:
     # bounds; under bf16 autocast Adam amplifies bf16 round-off in near-zero gradients to ~lr
     # (the losses and gradient norms still agree to 1e-6)
     cfg = LearnerConfig(batch_size=8, micro_batch=2, ranks=spec["ranks"], zero_stage=spec["zero_stage"],
-                        lr=1e-3, checkpoint_every=1, mixed_precision="off")
+                        lr=1e-3, checkpoint_every=1, mixed_precision="fp32")
     backend = DeepSpeedBackend(cfg, spec["model"])
     rank0 = backend.rank == 0
     mode = spec["mode"]

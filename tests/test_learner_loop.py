@@ -27,7 +27,7 @@ from learners.models import has_dropout
 
 def test_fixed_batch_objective_decreases_and_metrics_are_complete(make_learner):
     fixed = random_groups(2, vocab=VOCAB, seed=3)
-    learner, queue, publisher = make_learner(temperature=0.7, mixed_precision="off")
+    learner, queue, publisher = make_learner(temperature=0.7, mixed_precision="fp32")
     be = learner.backend
     batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(fixed)])
     args = (batch.input_ids, batch.attention_mask, batch.positions)
@@ -92,7 +92,7 @@ def test_micro_batches_of_like_length_trimmed_of_padding_give_the_whole_batch_gr
                                    behavior_logprobs=t.behavior_logprobs[:1 + 3 * i % 8])
                for i, t in enumerate(members)]  # prompts of 2-6 tokens, responses of 1-8
     groups = [Group(tuple(members[:4])), Group(tuple(members[4:]))]
-    learner, queue, _ = make_learner(groups, mixed_precision="off", micro_batch=2)
+    learner, queue, _ = make_learner(groups, mixed_precision="fp32", micro_batch=2)
     be = learner.backend
     batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(groups)])
     logp = be.logprobs(batch.input_ids, batch.attention_mask, batch.positions)[0]

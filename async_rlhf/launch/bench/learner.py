@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--mixed-precision", nargs="+", default=["off", "bf16"], choices=["auto", "bf16", "off"],
+    parser.add_argument("--mixed-precision", nargs="+", default=["fp32", "bf16"], choices=["auto", "bf16", "fp32"],
                         help="learner.mixed_precision settings to compare (float32 weights)")
     parser.add_argument("--no-plain", action="store_true", help="skip the plain Hugging Face step")
     parser.add_argument("--out", default="runs/bench/learner.json")
