@@ -23,9 +23,9 @@ os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
-def free_port() -> int:
-    """A TCP port free on the loopback interface right now, drawn from below the kernel's
-    ephemeral range. A port the kernel hands out for bind(0) or connect() may go to any process
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port free on `host` (default: the loopback interface) right now, drawn from below
+    the kernel's ephemeral range. A port the kernel hands out for bind(0) or connect() may go to any process
     between this call and the server's bind (seen: Ray's client server lost its port so, 3 s
     after the head started, and the head went down with it); a port below that range is only
     taken by a process that asks for it by number. Where the range starts too low for that, the
@@ -36,12 +36,12 @@ def free_port() -> int:
             port = _rng.randrange(_PORT_FLOOR, low)
             with socket.socket() as s:
                 try:
-                    s.bind((LOOPBACK, port))
+                    s.bind((host, port))
                 except OSError:  # in use
                     continue
                 return port
     with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
