@@ -49,6 +49,11 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         _check(isinstance(value, (list, tuple)), key, value, "a list")
         (inner, _) = typing.get_args(hint)
         return tuple(_check_type(f"{key}[{i}]", v, inner) for i, v in enumerate(value))
+    if origin is dict:
+        _check(isinstance(value, dict), key, value, "a mapping")
+        key_hint, value_hint = typing.get_args(hint)
+        return {_check_type(f"{key} key", k, key_hint): _check_type(f"{key}[{k!r}]", v, value_hint)
+                for k, v in value.items()}
     if dataclasses.is_dataclass(hint):
         _check(isinstance(value, hint), key, value, f"a {hint.__name__} mapping")
         return value
@@ -160,6 +165,10 @@ class GeneratorConfig(_Section):
     temperature: float = 1.0  # sampling temperature; the learner's log-probs use the same one
     top_p: float = 1.0  # must be 1.0 (nucleus sampling would bias the importance weights)
     threads: int = 1  # torch/vLLM CPU threads per generator
+    # Ray custom resources each of the job's own generators asks for besides its CPUs/GPUs, e.g.
+    # {node_b: 1} to run them on a node started with `ray start --resources='{"node_b": 8}'`;
+    # a replaced generator asks for the same (`add-generators --resources` sets its own).
+    resources: dict[str, float] = field(default_factory=dict)
     # CPU scheduling priority (a nice increment, 0-19) of the generator processes. Where they
     # share cores with the learner, a positive value gives the learner's threads the larger
     # share and the generators the rest (placement: auto sets 19 on CPU; see its module doc).
@@ -177,6 +186,11 @@ class GeneratorConfig(_Section):
         _check(0 <= self.nice <= 19, "generator.nice", self.nice, "from 0 (normal priority) to 19 (lowest)")
         self._positive("count", "group_size", "max_new_tokens", "threads")
         self._positive("temperature", "tensor_parallel")
+        for name, amount in self.resources.items():
+            _check(name not in ("CPU", "GPU", "memory"), "generator.resources", self.resources,
+                   "custom resources only: CPUs come from generator.threads, GPUs from "
+                   "generator.tensor_parallel")
+            _check(amount > 0, f"generator.resources[{name!r}]", amount, "> 0")
         _check(all(self.stop), "generator.stop", list(self.stop),
                "a list of non-empty strings (an empty one would stop every response at once)")
         _check(self.max_inflight >= self.group_size, "generator.max_inflight", self.max_inflight,

@@ -51,6 +51,8 @@ def _type_name(hint: Any) -> str:
         return "choice"
     if origin is tuple:
         return f"list of {_type_name(typing.get_args(hint)[0])}"
+    if origin is dict:
+        return "mapping of {} to {}".format(*map(_type_name, typing.get_args(hint)))
     if origin is not None:  # a union
         return " or ".join(_type_name(a) for a in typing.get_args(hint))
     return {type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))

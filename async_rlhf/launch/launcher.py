@@ -215,7 +215,7 @@ class Job:
             self.evaluator = self.ray.remote(EvalWorker).options(
                 num_cpus=1, max_concurrency=4, name="evaluator").remote(cfg, fresh=not self.resume)
         for _ in range(cfg.generator.count):
-            self._add_generator({})
+            self._add_generator(dict(cfg.generator.resources))
         version = self._learners_ready()
         if version != self.start_version:
             raise RuntimeError(f"the learner resumed at version {version}, but the checkpoint "
