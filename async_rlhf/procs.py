@@ -73,9 +73,12 @@ def process_age_s() -> float:
     return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
+# A secret the learner ranks' rendezvous store prefixes its keys with, so that only the ranks the
+# launcher started join (the store listens on every interface of rank 0's node).
+RENDEZVOUS_KEY = "ASYNC_RLHF_RENDEZVOUS_KEY"
 # torch.distributed rendezvous variables: a child is a lone process or a whole job of its own,
 # never a member of a group this process (or the shell, under torchrun or SLURM) set up.
-_RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", RENDEZVOUS_KEY)
 
 
 def run_child(argv: list[str], log_path: Path, timeout_s: float,

@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import logging
 import os
+import secrets
 import socket
 import threading
 import traceback
@@ -320,20 +321,24 @@ class LearnerWorker:
         self.out = Path(cfg.out)
         self._busy = threading.Lock()  # step and finish never overlap
 
-    def master_address(self) -> tuple[str, int]:
-        """Rank 0: where the ranks meet, on rank 0's own node (a free port there)."""
+    def master_address(self) -> tuple[str, int, str]:
+        """Rank 0: where the ranks meet, on rank 0's own node (a free port there), and the
+        secret their rendezvous keys live under (procs.RENDEZVOUS_KEY)."""
         from async_rlhf.procs import free_port
 
         host = node_address()
-        return host, free_port(host)
+        return host, free_port(host), secrets.token_hex(16)
 
-    def start(self, master: tuple[str, int]) -> None:
+    def start(self, master: tuple[str, int, str]) -> None:
         """Join the ranks at `master` and load the model (resumed from the newest checkpoint,
         or the initial weights if there is none); rank 0 also opens the weight broadcaster on
         its node's address."""
+        from async_rlhf.procs import RENDEZVOUS_KEY
+
         cfg, rank = self.cfg, self.rank
+        host, port, key = master
         os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(cfg.learner.ranks),
-                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+                          MASTER_ADDR=host, MASTER_PORT=str(port), **{RENDEZVOUS_KEY: key})
         import torch
 
         from buffer.redis_stream import RedisExperienceQueue
