@@ -174,6 +174,16 @@ class GeneratorConfig(_Section):
     # share and the generators the rest (placement: auto sets 19 on CPU; see its module doc).
     nice: int = 0
     tensor_parallel: int = 1  # GPU only
+    # vLLM's weights and compute dtype. auto: model.dtype on CPU (fp32 log-probs match the
+    # learner's to 3e-4; bf16 ones differ by up to 0.5, which the importance weights then carry),
+    # bfloat16 on GPU.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # vLLM's share of the device's memory (weights, activations, KV cache). auto: 0.3 on CPU
+    # (with VLLM_CPU_KVCACHE_SPACE=1; vLLM's own 0.9 fails its start-up memory check), 0.5 on GPU.
+    gpu_memory_utilization: Literal["auto"] | float = "auto"
+    # vLLM without CUDA graphs or torch.compile. auto: on for CPU (compiling would take minutes),
+    # off on GPU (graphs speed up decoding).
+    enforce_eager: Literal["auto"] | bool = "auto"
     max_restarts: int = 10  # a generator that dies is replaced, after 1, 2, 4 ... 30 s, this often
     # Load the weights of version V - weight_lag when version V arrives (0: the newest), so that
     # every sample is exactly min(V, weight_lag) versions old when trained: the staleness study
@@ -186,6 +196,9 @@ class GeneratorConfig(_Section):
         _check(0 <= self.nice <= 19, "generator.nice", self.nice, "from 0 (normal priority) to 19 (lowest)")
         self._positive("count", "group_size", "max_new_tokens", "threads")
         self._positive("temperature", "tensor_parallel")
+        if self.gpu_memory_utilization != "auto":
+            _check(0 < self.gpu_memory_utilization <= 1, "generator.gpu_memory_utilization",
+                   self.gpu_memory_utilization, "auto or a fraction in (0, 1]")
         for name, amount in self.resources.items():
             _check(name not in ("CPU", "GPU", "memory"), "generator.resources", self.resources,
                    "custom resources only: CPUs come from generator.threads, GPUs from "

@@ -65,7 +65,8 @@ def _allowed(hint: Any) -> str:
     if type(None) in args:  # an optional choice
         inner = _allowed(next(a for a in args if a is not type(None)))
         return f"{inner}, `null`" if inner else ""
-    return ""
+    choices = [a for a in args if typing.get_origin(a) is Literal]  # a choice or a value
+    return _allowed(choices[0]) if choices else ""
 
 
 def _section_rows(cls: type, prefix: str) -> list[str]:
