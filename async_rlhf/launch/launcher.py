@@ -212,8 +212,9 @@ class Job:
         if cfg.eval.every:
             from async_rlhf.launch.roles import EvalWorker
 
-            self.evaluator = self.ray.remote(EvalWorker).options(
-                num_cpus=1, max_concurrency=4, name="evaluator").remote(cfg, fresh=not self.resume)
+            self.evaluator = self.ray.remote(EvalWorker).options(  # on GPU, GPUs of its own
+                num_cpus=1, num_gpus=cfg.generator.tensor_parallel if _gpu_count() else 0, max_concurrency=4,
+                name="evaluator").remote(cfg, fresh=not self.resume)
         for _ in range(cfg.generator.count):
             self._add_generator(dict(cfg.generator.resources))
         version = self._learners_ready()
