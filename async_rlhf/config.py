@@ -49,6 +49,11 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         _check(isinstance(value, (list, tuple)), key, value, "a list")
         (inner, _) = typing.get_args(hint)
         return tuple(_check_type(f"{key}[{i}]", v, inner) for i, v in enumerate(value))
+    if origin is dict:
+        _check(isinstance(value, dict), key, value, "a mapping")
+        key_hint, value_hint = typing.get_args(hint)
+        return {_check_type(f"{key} key", k, key_hint): _check_type(f"{key}[{k!r}]", v, value_hint)
+                for k, v in value.items()}
     if dataclasses.is_dataclass(hint):
         _check(isinstance(value, hint), key, value, f"a {hint.__name__} mapping")
         return value
@@ -160,11 +165,25 @@ class GeneratorConfig(_Section):
     temperature: float = 1.0  # sampling temperature; the learner's log-probs use the same one
     top_p: float = 1.0  # must be 1.0 (nucleus sampling would bias the importance weights)
     threads: int = 1  # torch/vLLM CPU threads per generator
+    # Ray custom resources each of the job's own generators asks for besides its CPUs/GPUs, e.g.
+    # {node_b: 1} to run them on a node started with `ray start --resources='{"node_b": 8}'`;
+    # a replaced generator asks for the same (`add-generators --resources` sets its own).
+    resources: dict[str, float] = field(default_factory=dict)
     # CPU scheduling priority (a nice increment, 0-19) of the generator processes. Where they
     # share cores with the learner, a positive value gives the learner's threads the larger
     # share and the generators the rest (placement: auto sets 19 on CPU; see its module doc).
     nice: int = 0
     tensor_parallel: int = 1  # GPU only
+    # vLLM's weights and compute dtype. auto: model.dtype on CPU (fp32 log-probs match the
+    # learner's to 3e-4; bf16 ones differ by up to 0.5, which the importance weights then carry),
+    # bfloat16 on GPU.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # vLLM's share of the device's memory (weights, activations, KV cache). auto: 0.3 on CPU
+    # (with VLLM_CPU_KVCACHE_SPACE=1; vLLM's own 0.9 fails its start-up memory check), 0.5 on GPU.
+    gpu_memory_utilization: Literal["auto"] | float = "auto"
+    # vLLM without CUDA graphs or torch.compile. auto: on for CPU (compiling would take minutes),
+    # off on GPU (graphs speed up decoding).
+    enforce_eager: Literal["auto"] | bool = "auto"
     max_restarts: int = 10  # a generator that dies is replaced, after 1, 2, 4 ... 30 s, this often
     # Load the weights of version V - weight_lag when version V arrives (0: the newest), so that
     # every sample is exactly min(V, weight_lag) versions old when trained: the staleness study
@@ -177,6 +196,14 @@ class GeneratorConfig(_Section):
         _check(0 <= self.nice <= 19, "generator.nice", self.nice, "from 0 (normal priority) to 19 (lowest)")
         self._positive("count", "group_size", "max_new_tokens", "threads")
         self._positive("temperature", "tensor_parallel")
+        if self.gpu_memory_utilization != "auto":
+            _check(0 < self.gpu_memory_utilization <= 1, "generator.gpu_memory_utilization",
+                   self.gpu_memory_utilization, "auto or a fraction in (0, 1]")
+        for name, amount in self.resources.items():
+            _check(name not in ("CPU", "GPU", "memory"), "generator.resources", self.resources,
+                   "custom resources only: CPUs come from generator.threads, GPUs from "
+                   "generator.tensor_parallel")
+            _check(amount > 0, f"generator.resources[{name!r}]", amount, "> 0")
         _check(all(self.stop), "generator.stop", list(self.stop),
                "a list of non-empty strings (an empty one would stop every response at once)")
         _check(self.max_inflight >= self.group_size, "generator.max_inflight", self.max_inflight,

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from async_rlhf.config import LearnerConfig
-from async_rlhf.procs import free_port
+from async_rlhf.procs import RENDEZVOUS_KEY, free_port
 from learners.models import DTYPES, HeldModels, adamw, autocast_dtype, default_device, load_models
 
 
@@ -45,18 +45,28 @@ def init_distributed(device: str) -> tuple[int, int]:
     (`deepspeed_shm_comm`, ~75-120 s) the first time; it only builds ops that
     `deepspeed.ops.__compatible_ops__` marks compatible, so we mark it not: gloo all-reduces
     instead. (That dict is probed lazily on first access, which we also skip this way.)
+
+    With $ASYNC_RLHF_RENDEZVOUS_KEY set (the launcher's ranks), the group's keys live under that
+    secret in the MASTER_ADDR:MASTER_PORT store, which listens on every interface: a process
+    that reaches the port without the key cannot take a rank.
     """
     deepspeed = _import_deepspeed()
     if "RANK" not in os.environ:  # a lone process: a one-member group on loopback
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    if not torch.distributed.is_initialized():
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if not torch.distributed.is_initialized() and (key := os.environ.get(RENDEZVOUS_KEY)):
+        env = os.environ
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        store = torch.distributed.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
+                                           is_master=rank == 0)
+        # device_id as DeepSpeed sets it on CUDA (its init sees this group and keeps it)
+        device_id = torch.device("cuda", int(env["LOCAL_RANK"])) if backend == "nccl" else None
+        torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore(key, store),
+                                             rank=rank, world_size=world, device_id=device_id)
+    if not deepspeed.comm.is_initialized():
         deepspeed.ops.__dict__.setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(
-            dist_backend="nccl" if device.startswith("cuda") else "gloo",
-            auto_mpi_discovery=False,
-            verbose=False,
-        )
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 

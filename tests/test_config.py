@@ -29,6 +29,12 @@ def test_yaml_and_overrides(tmp_path):
         assert load_config(None, [f"learner.mixed_precision={choice}"]).learner.mixed_precision == choice
 
 
+def test_generator_resources_is_a_mapping_of_numbers():
+    cfg = load_config(overrides=["generator.resources={node_b: 1}"])
+    assert cfg.generator.resources == {"node_b": 1.0}
+    assert load_config().generator.resources == {}
+
+
 def test_ints_accepted_for_floats():
     assert load_config(overrides=["learner.lr=1"]).learner.lr == 1.0
 
@@ -73,6 +79,12 @@ def test_rewards_list(tmp_path):
         ("generator.stop=[3]", "generator.stop[0] must be of type str, got 3"),
         ("generator.prompts_per_batch=8", "generator.prompts_per_batch is retired: generators stream"),
         ("learner=3", "learner. must be a mapping, got 3"),
+        ("generator.dtype=fp8", "generator.dtype must be one of 'auto', 'float32', 'bfloat16', 'float16'"),
+        ("generator.gpu_memory_utilization=1.5", "generator.gpu_memory_utilization must be auto or a fraction"),
+        ("generator.enforce_eager=maybe", "generator.enforce_eager must be of type bool, got 'maybe'"),
+        ("generator.resources=[1]", "generator.resources must be a mapping, got [1]"),
+        ("generator.resources={node_b: 0}", "generator.resources['node_b'] must be > 0, got 0.0"),
+        ("generator.resources={GPU: 1}", "generator.resources must be custom resources only: CPUs come"),
     ],
 )
 def test_bad_values_name_key_value_and_fix(override, message):

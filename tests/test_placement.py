@@ -92,6 +92,16 @@ def test_apply_placement_gpu_and_manual():
     assert apply_placement(manual, devices=2, gpu=False) == (manual, "")
 
 
+def test_apply_placement_gives_the_evaluator_its_own_gpus_and_none_on_cpu():
+    base = ["placement=auto", "stage_costs.generator_s=3", "stage_costs.learner_s=1", "learner.batch_size=64",
+            "learner.micro_batch=16", "eval.every=5", "generator.tensor_parallel=2"]
+    placed, line = apply_placement(load_config(None, base), devices=10, gpu=True)
+    # 2 GPUs for the evaluator's engine, 8 split: 3 engines of 2 for generation, 2 learner ranks
+    assert (placed.generator.count, placed.learner.ranks) == (3, 2) and "evaluator 2 GPU(s)" in line
+    placed, line = apply_placement(load_config(None, base[:-1]), devices=4, gpu=False)
+    assert placed.learner.ranks * placed.learner.threads == 4 and "evaluator" not in line
+
+
 def test_config_checks_placement_keys():
     with pytest.raises(ConfigError, match="placement must be one of 'manual', 'auto', got 'fast'"):
         load_config(None, ["placement=fast"])

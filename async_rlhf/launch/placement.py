@@ -85,7 +85,8 @@ def apply_placement(cfg: Config, devices: int, gpu: bool) -> tuple[Config, str]:
         return cfg, ""
     g, learner = cfg.generator, cfg.learner
     unit = g.tensor_parallel if gpu else 1
-    p = choose_placement(devices, cfg.stage_costs.generator_s, cfg.stage_costs.learner_s,
+    evaluator = unit if gpu and cfg.eval.every else 0  # its engine's own GPUs; on CPU it shares
+    p = choose_placement(devices - evaluator, cfg.stage_costs.generator_s, cfg.stage_costs.learner_s,
                          shared=not gpu, gen_unit=unit)
     micro_batches = learner.batch_size // (learner.micro_batch * learner.minibatches)
     most = 1 if learner.backend == "torch" else p.learner_devices  # torch: one process
@@ -103,5 +104,6 @@ def apply_placement(cfg: Config, devices: int, gpu: bool) -> tuple[Config, str]:
         learner=dataclasses.replace(learner, ranks=ranks, threads=threads))
     chosen = (f"placement auto: {cfg.generator.count} generator(s) x {unit} "
               f"{'GPU' if gpu else 'thread'}(s){'' if gpu else ' at nice 19'}, learner {ranks} rank(s) x "
-              f"{'1 GPU' if gpu else f'{threads} thread(s)'}; {p.why}")
+              f"{'1 GPU' if gpu else f'{threads} thread(s)'}"
+              f"{f', evaluator {evaluator} GPU(s)' if evaluator else ''}; {p.why}")
     return cfg, chosen
