@@ -100,7 +100,8 @@ def apply_placement(cfg: Config, devices: int, gpu: bool) -> tuple[Config, str]:
                          f"has {micro_batches} micro-batches, which do not split over them: make "
                          f"learner.batch_size a multiple of learner.micro_batch x {p.learner_devices}")
     cfg = dataclasses.replace(
-        cfg, placement="manual", generator=dataclasses.replace(g, count=p.gen_devices // unit, threads=1, nice=g.nice if gpu else 19),
+        cfg, placement="manual",
+        generator=dataclasses.replace(g, count=p.gen_devices // unit, threads=1, nice=g.nice if gpu else 19),
         learner=dataclasses.replace(learner, ranks=ranks, threads=threads))
     chosen = (f"placement auto: {cfg.generator.count} generator(s) x {unit} "
               f"{'GPU' if gpu else 'thread'}(s){'' if gpu else ' at nice 19'}, learner {ranks} rank(s) x "
