@@ -4,6 +4,11 @@ Each membership epoch (the learner plus the generators of the moment) gets its o
 process group over a fresh TCPStore: gloo on CPU, NCCL on GPU. Groups cannot grow, so a generator
 joining or leaving means a new epoch; the old one is closed with a CLOSE header.
 
+Addresses: the store listens on every interface of the learner's node (TCPStore does), at the
+`host` it advertises, and each gloo member binds its own node's address (`host`), so an epoch
+spans nodes. Only the epoch's members join: the group's keys live under a random per-epoch
+secret (`SyncAddress.key`) that reaches them through Ray, never over the store.
+
 Wire format of one publish, all broadcasts from rank 0:
 
     for each bucket:  header int64[4] = (BUCKET, version, meta_nbytes, data_nbytes)
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -28,6 +34,8 @@ from datetime import timedelta
 import msgpack
 import torch
 import torch.distributed as dist
+
+from async_rlhf.procs import LOOPBACK
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +53,7 @@ class SyncAddress:
     epoch: int
     world_size: int  # learner + generators
     backend: str  # "gloo" or "nccl"
+    key: str  # the epoch's secret: the group's store prefix, which only its members know
 
 
 @dataclass(frozen=True)
@@ -63,14 +72,19 @@ def _device(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-def _make_group(address: SyncAddress, store: dist.Store, rank: int, timeout_s: float):
-    prefixed = dist.PrefixStore(f"weights/epoch{address.epoch}", store)
+def _make_group(address: SyncAddress, store: dist.Store, rank: int, timeout_s: float, host: str):
+    """This member's group of the epoch; gloo binds `host`, the member's own node address."""
+    prefixed = dist.PrefixStore(f"weights/epoch{address.epoch}/{address.key}", store)
     timeout = timedelta(seconds=timeout_s)
     if address.backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, address.world_size, options)
-    return dist.ProcessGroupGloo(prefixed, rank, address.world_size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    # not gloo's default device, the hostname's address: that may be loopback (127.0.0.1 here)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(prefixed, rank, address.world_size, options)
 
 
 def _broadcast(group, tensor: torch.Tensor) -> None:
@@ -88,7 +102,7 @@ class WeightBroadcaster:
     learner ranks, so it happens anyway). Thread-safe: open_epoch may run during a learner step.
     """
 
-    def __init__(self, host: str = "127.0.0.1", backend: str | None = None,
+    def __init__(self, host: str = LOOPBACK, backend: str | None = None,
                  bucket_mb: float = 64.0, timeout_s: float = 120.0):
         self.host = host
         self.backend = backend or default_backend()
@@ -115,14 +129,16 @@ class WeightBroadcaster:
             self._epoch += 1
             self._store = dist.TCPStore(self.host, 0, world_size, is_master=True, wait_for_workers=False,
                                         timeout=timedelta(seconds=self.timeout_s))
-            address = SyncAddress(self.host, self._store.port, self._epoch, world_size, self.backend)
+            address = SyncAddress(self.host, self._store.port, self._epoch, world_size, self.backend,
+                                  key=secrets.token_hex(16))
         threading.Thread(target=self._form, args=(address, self._store), daemon=True,
                          name=f"weights-epoch{address.epoch}").start()
         return address
 
     def _form(self, address: SyncAddress, store: dist.TCPStore) -> None:
         try:
-            group = _make_group(address, store, 0, self.timeout_s) if address.world_size > 1 else None
+            group = (_make_group(address, store, 0, self.timeout_s, self.host)
+                     if address.world_size > 1 else None)
         except Exception as e:
             with self._lock:
                 self._fail(f"weight-sync epoch {address.epoch}: not all {address.world_size} members "
@@ -213,16 +229,18 @@ def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: in
 class WeightReceiver:
     """A generator's side of one epoch: `receive()` blocks until the next full update.
 
-    Returns None when the learner closed the epoch (a new one follows).
+    Returns None when the learner closed the epoch (a new one follows). `host`: this member's
+    own node address, which gloo binds (loopback unless the epoch spans nodes).
     """
 
-    def __init__(self, address: SyncAddress, rank: int, timeout_s: float = 24 * 3600.0):
+    def __init__(self, address: SyncAddress, rank: int, timeout_s: float = 24 * 3600.0,
+                 host: str = LOOPBACK):
         if not 0 < rank < address.world_size:
             raise ValueError(f"generator rank must be in 1..{address.world_size - 1}, got {rank}")
         self.address = address
         self._store = dist.TCPStore(address.host, address.port, address.world_size, is_master=False,
                                     timeout=timedelta(seconds=120))
-        self._group = _make_group(address, self._store, rank, timeout_s)
+        self._group = _make_group(address, self._store, rank, timeout_s, host)
         self._device = _device(address.backend)
 
     def _recv(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -2,9 +2,11 @@
 
 import multiprocessing as mp
 import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from async_rlhf.weight_sync import WeightBroadcaster, WeightReceiver
 
@@ -19,10 +21,10 @@ def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _member(addresses, results, rank_of):
-    """Join each epoch address from `addresses` until None; report what arrives."""
+def _member(addresses, results, rank_of, host="127.0.0.1"):
+    """Join each epoch address from `addresses` until None, binding `host`; report what arrives."""
     while (address := addresses.get(timeout=60)) is not None:
-        receiver = WeightReceiver(address, rank_of(address), timeout_s=60)
+        receiver = WeightReceiver(address, rank_of(address), timeout_s=60, host=host)
         while (update := receiver.receive()) is not None:
             results.put((address.epoch, update.version,
                          [(n, t.dtype, tuple(t.shape), t.float().sum().item()) for n, t in update.named_tensors]))
@@ -94,3 +96,43 @@ def test_publish_without_generators_consumes_the_iterator():
     seen = []
     assert not sender.publish(((n, t) for n, t in _weights(1) if not seen.append(n)), version=1)
     assert len(seen) == 4
+
+
+def _outsider(host, port, epoch, results):
+    """Someone who reaches the store and knows the epoch, but was not given its key, tries to
+    join as rank 1 under the epoch's plain prefix and take the weights."""
+    store = dist.TCPStore(host, port, 2, is_master=False, timeout=timedelta(seconds=10))
+    try:
+        group = dist.ProcessGroupGloo(dist.PrefixStore(f"weights/epoch{epoch}", store), 1, 2,
+                                      timedelta(seconds=5))
+        header = torch.empty(4, dtype=torch.int64)
+        group.broadcast([header], dist.BroadcastOptions()).wait()
+        results.put(("joined", header.tolist()))
+    except RuntimeError as e:
+        results.put(("refused", str(e)[:200]))
+
+
+def test_only_the_epochs_members_join_and_each_binds_its_own_address(ctx):
+    """The store listens beyond loopback on a node that other nodes reach: an outsider who knows
+    the address and epoch number does not get into the group, while a member given the epoch's
+    key joins, its gloo device bound to its own address (127.0.0.3; the learner's 127.0.0.2)."""
+    sender = WeightBroadcaster(host="127.0.0.2", timeout_s=60)
+    sender.publish(_weights(1), version=1)
+    address = sender.open_epoch(world_size=2)
+    assert address.host == "127.0.0.2" and len(address.key) == 32
+    out = ctx.Queue()
+    outsider = ctx.Process(target=_outsider, args=(address.host, address.port, address.epoch, out))
+    outsider.start()
+    verdict, detail = out.get(timeout=60)
+    assert verdict == "refused", detail
+    outsider.join(30)
+
+    member_in = ctx.Queue()
+    member = ctx.Process(target=_member, args=(member_in, out, _rank_1, "127.0.0.3"), daemon=True)
+    member.start()
+    member_in.put(address)
+    assert out.get(timeout=60) == (1, 1, _expected(1))
+    sender.close()
+    assert out.get(timeout=60) == (1, "closed", None)
+    member_in.put(None)
+    member.join(30)

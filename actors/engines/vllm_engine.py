@@ -110,6 +110,9 @@ class VLLMEngine:
         seed: int = 0,
         device: str | None = None,
         tensor_parallel: int = 1,
+        dtype: str = "float32",
+        gpu_memory_utilization: float = 0.3,
+        enforce_eager: bool = True,
     ):
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._environ = dict(os.environ)  # vLLM sets variables in this process; close() undoes it
@@ -139,9 +142,9 @@ class VLLMEngine:
         self._version = 0
         self.llm = LLM(
             model=str(model_path),
-            dtype="float32",  # bf16 log-probs differ from the learner's by up to 0.5 here
-            enforce_eager=True,
-            gpu_memory_utilization=0.3 if self.device == "cpu" else 0.5,
+            dtype=dtype,  # bf16 log-probs differ from an fp32 learner's by up to 0.5 here
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WeightReloadExtension",
