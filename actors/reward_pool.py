@@ -5,7 +5,11 @@ whatever socket or lock it waits on for the rest of the job. Here each call runs
 `size` worker processes (spawned, so that no thread of the engine's process is forked); a call
 that has not answered by its deadline gets its process killed, and a new process takes the
 slot at the next call. At most `size` calls run at once; a caller waits for a free worker.
-A worker dies with the process that started it (PR_SET_PDEATHSIG), hung or not.
+A worker dies with the process that started it (PR_SET_PDEATHSIG), hung or not. The kernel ties
+that signal to the thread that started the worker: start() and call() run in threads that live
+as long as the pool is used (a generator's run, an actor's task threads), and close() ends the
+workers before those threads do. Workers are spawned: a script that builds a pool needs an
+`if __name__ == "__main__":` guard, as vLLM's spawned engines do.
 """
 
 from __future__ import annotations
