@@ -185,6 +185,15 @@ class GeneratorConfig(_Section):
     # off on GPU (graphs speed up decoding).
     enforce_eager: Literal["auto"] | bool = "auto"
     max_restarts: int = 10  # a generator that dies is replaced, after 1, 2, 4 ... 30 s, this often
+    # Groups a generator scores at once, each in a reward worker process of its own (a call
+    # past its reward's deadline has its process killed and replaced), so one slow or hung
+    # reward call holds back only its own group. Each worker holds a copy of the rewards
+    # (a reward model's memory too).
+    reward_concurrency: int = 2
+    # A generator whose engine takes no step for this many seconds while it holds sequences
+    # (a hung engine loop: its process still answers) is killed and replaced like a dead one.
+    # One step takes well under a second here: the default leaves room for any slow machine.
+    stall_s: float = 300.0
     # Load the weights of version V - weight_lag when version V arrives (0: the newest), so that
     # every sample is exactly min(V, weight_lag) versions old when trained: the staleness study
     # (`async-rlhf study staleness`) uses it to realise k whatever the stages' speeds.
@@ -194,8 +203,8 @@ class GeneratorConfig(_Section):
         _check(self.max_restarts >= 0, "generator.max_restarts", self.max_restarts, ">= 0")
         _check(self.weight_lag >= 0, "generator.weight_lag", self.weight_lag, ">= 0")
         _check(0 <= self.nice <= 19, "generator.nice", self.nice, "from 0 (normal priority) to 19 (lowest)")
-        self._positive("count", "group_size", "max_new_tokens", "threads")
-        self._positive("temperature", "tensor_parallel")
+        self._positive("count", "group_size", "max_new_tokens", "threads", "reward_concurrency")
+        self._positive("temperature", "tensor_parallel", "stall_s")
         if self.gpu_memory_utilization != "auto":
             _check(0 < self.gpu_memory_utilization <= 1, "generator.gpu_memory_utilization",
                    self.gpu_memory_utilization, "auto or a fraction in (0, 1]")

@@ -72,7 +72,8 @@ class Learner:
     ckpt_dir: where checkpoints go and where `resume()` looks. Every rank calls step()/train(),
     resume(), save_checkpoint() and publish_weights() together (they are collective).
     `counters` (count_* in the metrics): samples and tokens count samples; groups,
-    dropped_stale, rejected_<reason>, lost_to_reclaim and trained_first_use count groups.
+    dropped_stale, duplicate, rejected_<reason>, lost_to_reclaim and trained_first_use count
+    groups.
     """
 
     def __init__(
@@ -246,9 +247,11 @@ class Learner:
         return items, first_use
 
     def _admit(self, received: Sequence[Received]) -> list[Received]:
-        """Keep the groups that are valid and fresh enough: ack the stale with a counted reason,
-        and move those this learner cannot train on to the dead-letter stream, bytes and reason
-        kept. Whole groups either way (counters count groups)."""
+        """Keep the groups that are valid, fresh enough and no copy: ack the stale with a counted
+        reason, move those this learner cannot train on to the dead-letter stream, bytes and
+        reason kept, and ack as `duplicate` an entry whose group id an earlier entry carried
+        (the stream remembers, so this holds across restarts). Whole groups either way
+        (counters count groups)."""
         keep, rejected = [], []
         for r in received:
             try:
@@ -263,7 +266,13 @@ class Learner:
         if rejected:
             self.queue.reject(rejected)
             self.counters.update(f"rejected_{e.reason}" for _, e in rejected)
-        return keep
+        copies = set(self.queue.duplicates(keep)) if keep else set()
+        if copies:
+            self.queue.ack(sorted(copies), reason="duplicate")
+            self.counters["duplicate"] += len(copies)
+            log.warning("%d entries copy a group an earlier entry carried: acked as duplicate, not "
+                        "trained (a producer put them twice)", len(copies))
+        return [r for r in keep if r.entry_id not in copies]
 
     def _check(self, group: Group) -> None:
         """Raise TrajectoryError if this learner cannot train on the group (any member)."""

@@ -159,6 +159,49 @@ def test_killed_learner_restarts_from_its_checkpoint_and_the_job_finishes(tmp_pa
     assert 0 <= summary["trained"] - recorded <= 8 // 2
 
 
+def test_a_killed_learner_rank_other_than_0_restarts_every_rank(tmp_path, tiny_actor_model):
+    """Two DeepSpeed ZeRO-2 ranks; rank 1 SIGKILLed mid-run. Rank 0's collective with it fails
+    first (a task error, not an actor's death), yet the ranks restart together from the newest
+    checkpoint and the job trains every step, losing no group."""
+    name = "rank1"
+    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=20", "max_staleness=1",
+                  "learner.checkpoint_every=5", "learner.ranks=2", "learner.zero_stage=2")
+    with _interrupted_on_failure(proc):
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 7, 600, "a checkpoint at step 5")
+        rank0 = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))["learner"]["pid"]
+        (rank1,) = [pid for pid in _learner_ranks(proc.pid) if pid != rank0]
+        os.kill(rank1, signal.SIGKILL)
+        metrics, summary = _finish(tmp_path, name, proc)
+    log = proc.log_path.read_text()
+    assert "restart 1 of learner.max_restarts=3" in log and "learner restarted at version" in log
+    assert [m["step"] for m in metrics][-1] == 20 and summary["lost"] == 0
+    _check_accounting(summary)
+    assert summary["counters"].get("ack_lost", 0) == 0
+
+
+def _learner_ranks(job_pid: int) -> list[int]:
+    """The learner rank processes of the job whose `train` is job_pid (Ray titles an actor's
+    process ray::<class>; the job's own Ray head runs below its `train`)."""
+    parents, titles = {}, {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            titles[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+
+    def below_job(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == job_pid:
+                return True
+        return False
+
+    return [pid for pid, title in titles.items()
+            if title.startswith(b"ray::LearnerWorker") and below_job(pid)]
+
+
 def _redis_server_pid(port: int) -> int:
     """The redis-server listening on 127.0.0.1:port (it titles itself so)."""
     for entry in os.listdir("/proc"):
