@@ -283,9 +283,25 @@ class LearnerConfig(_Section):
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     wait_s: float = 60.0  # a step fails if the stream delivers nothing usable for this long
     max_restarts: int = 3  # a dead learner rank restarts (all ranks, from the newest checkpoint)
+    # The objective trained on each batch of groups: ppo (the policy-gradient losses that
+    # clip_eps, correction, advantage... configure); dpo (each group's highest-reward response chosen, its lowest rejected,
+    # against a frozen copy of the initial policy); rs (rejection sampling, best-of-n: supervised
+    # fine-tuning on each group's best response)
+    algorithm: Literal["ppo", "dpo", "rs"] = "ppo"
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO's logistic loss, or IPO's squared one
+    dpo_beta: float = 0.1  # DPO's beta: the strength of the implicit KL to the reference
+    dpo_length_norm: bool = False  # dpo: mean per-token log-probs of a response instead of their sum
+    rs_threshold: float = 0.0  # rs trains on a group's best response only if its reward is at least this
 
     def _validate(self) -> None:
         self._positive("steps", "batch_size", "micro_batch", "ranks", "threads", "lr", "clip_eps", "is_cap")
+        self._positive("dpo_beta")
+        if self.algorithm != "ppo":
+            _check(self.advantage != "gae", "learner.advantage", self.advantage,
+                   f"grpo, rloo or reinforce_pp with learner.algorithm={self.algorithm} "
+                   "(gae trains a critic that dpo and rs never use)")
+            _check(self.kl_coef == 0, "learner.kl_coef", self.kl_coef,
+                   f"0 with learner.algorithm={self.algorithm} (dpo has its KL strength in learner.dpo_beta, rs no KL term)")
         self._positive("max_reuse", "minibatches", "critic_lr", "wait_s")
         _check(self.max_restarts >= 0, "learner.max_restarts", self.max_restarts, ">= 0")
         if self.backend == "torch":
@@ -394,6 +410,13 @@ class Config(_Section):
             self.learner.batch_size,
             f"a multiple of generator.group_size ({self.generator.group_size})",
         )
+        if self.learner.algorithm == "dpo":  # a pair is two responses to one prompt
+            _check(self.generator.group_size >= 2, "generator.group_size", self.generator.group_size,
+                   ">= 2 with learner.algorithm=dpo (a pair is two responses of one group)")
+            # the chosen and rejected responses of a pair meet in one forward pass
+            _check(self.learner.micro_batch % self.generator.group_size == 0, "learner.micro_batch",
+                   self.learner.micro_batch, f"a multiple of generator.group_size "
+                   f"({self.generator.group_size}) with learner.algorithm=dpo (a micro-batch holds whole groups)")
 
     def to_yaml(self) -> str:
         """The resolved config as YAML, fit to print or keep (a Redis password is redacted)."""

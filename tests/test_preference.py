@@ -1,0 +1,80 @@
+"""learner.algorithm dpo and rs: which rows of a batch they train (pure), and the learner loop
+on the torch backend, the tiny model and the real Redis stream (conftest.py make_learner)."""
+
+import dataclasses
+import math
+
+import torch
+from helpers import VOCAB
+
+from async_rlhf.synthetic import random_groups
+from async_rlhf.types import Group, Received
+from learners.batch import Batch
+from learners.losses import sequence_logprob
+from learners.preference import CHOSEN, REJECTED, best_of_group_roles, preference_roles
+
+
+def test_pairs_take_each_groups_first_best_and_first_worst_and_count_ties():
+    rewards = torch.tensor([0.5, 1.0, 0.0, 1.0, 0.3, 0.3, 0.3, 0.3, 0.2, 0.1, 0.1, 0.9])
+    groups = torch.arange(3).repeat_interleave(4)
+    roles, tied = preference_roles(rewards, groups)
+    assert roles.tolist() == [0, CHOSEN, REJECTED, 0, 0, 0, 0, 0, 0, REJECTED, 0, CHOSEN]
+    assert tied == 1
+
+
+def test_best_of_group_keeps_a_groups_best_only_at_the_threshold_or_above():
+    rewards = torch.tensor([0.5, 0.75, 0.75, 0.2, 0.4, 0.1])
+    groups = torch.arange(3).repeat_interleave(2)
+    roles, below = best_of_group_roles(rewards, groups, threshold=0.5)
+    assert roles.tolist() == [0, CHOSEN, CHOSEN, 0, 0, 0] and below == 1
+
+
+def _with_rewards(group: Group, *rewards: float) -> Group:
+    return Group(tuple(dataclasses.replace(t, reward=r) for t, r in zip(group.members, rewards)))
+
+
+def _sequence_logps(learner, groups, *, reference=False) -> torch.Tensor:
+    batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(groups)])
+    with torch.no_grad():
+        logp = learner.backend.logprobs(batch.input_ids, batch.attention_mask, batch.positions,
+                                        reference=reference)[0]
+    return sequence_logprob(logp, batch.mask)
+
+
+def test_online_dpo_prefers_each_groups_best_over_its_worst_against_a_frozen_reference(make_learner):
+    """Group 0 has a pair (best row 0, worst row 1); group 1's rewards are all equal: no pair,
+    counted. The policy's log-ratio of best over worst rises, the reference stays, and the
+    stats say so; every group is acked as trained whether or not it held a pair."""
+    g0, g1 = random_groups(2, vocab=VOCAB, seed=3)
+    fixed = [_with_rewards(g0, 1.0, 0.0, 0.5, 0.5), _with_rewards(g1, 0.5, 0.5, 0.5, 0.5)]
+    learner, queue, _ = make_learner(algorithm="dpo", dpo_beta=0.5)
+    before, ref_before = _sequence_logps(learner, fixed), _sequence_logps(learner, fixed, reference=True)
+    history = []
+    for _ in range(4):
+        queue.put([g.with_version(learner.version) for g in fixed])
+        history.append(learner.step())
+    after, ref_after = _sequence_logps(learner, fixed), _sequence_logps(learner, fixed, reference=True)
+    assert torch.equal(ref_before, ref_after)
+    assert (after[0] - after[1]) - (before[0] - before[1]) > 1.0, (before, after)
+    last = history[-1]
+    assert last.extra["pairs"] == 1 and last.extra["pair_accuracy"] == 1.0
+    assert last.extra["reward_margin"] > 0.5 * 1.0
+    assert last.extra["chosen_logratio"] > 0 > last.extra["rejected_logratio"]
+    assert last.counts["groups_no_pair"] == 4 and math.isnan(last.clip_frac)
+    assert [m.loss for m in history] == sorted((m.loss for m in history), reverse=True)
+    assert queue.stats().counters["trained"] == 8  # groups, the tied ones too
+
+
+def test_rejection_sampling_fine_tunes_on_each_groups_best_at_the_threshold(make_learner):
+    """Group 0's best (row 2, reward 1.0) is trained on; group 1's best (0.25) is under
+    rs_threshold=0.5 and counted. The best response's log-prob rises, its group's others less."""
+    g0, g1 = random_groups(2, vocab=VOCAB, seed=4)
+    fixed = [_with_rewards(g0, 0.0, 0.5, 1.0, 0.0), _with_rewards(g1, 0.25, 0.0, 0.0, 0.0)]
+    learner, queue, _ = make_learner(algorithm="rs", rs_threshold=0.5)
+    before = _sequence_logps(learner, fixed)
+    for _ in range(3):
+        queue.put([g.with_version(learner.version) for g in fixed])
+        metrics = learner.step()
+    rise = _sequence_logps(learner, fixed) - before
+    assert rise[2] > 5.0 and rise[2] > 2 * rise[[0, 1, 3]].max(), rise
+    assert metrics.extra["best_trained"] == 1 and metrics.counts["groups_below_threshold"] == 3
