@@ -78,3 +78,17 @@ def test_rejection_sampling_fine_tunes_on_each_groups_best_at_the_threshold(make
     rise = _sequence_logps(learner, fixed) - before
     assert rise[2] > 5.0 and rise[2] > 2 * rise[[0, 1, 3]].max(), rise
     assert metrics.extra["best_trained"] == 1 and metrics.counts["groups_below_threshold"] == 3
+
+
+def test_ipo_with_length_normalised_log_probs_drives_the_margin_to_its_target(make_learner):
+    """IPO regresses h (here per-token mean log-ratios) on 1 / (2 beta) = 1: the margin beta h
+    goes to 0.5 from 0 and stays there, where DPO's would keep growing."""
+    g0, g1 = random_groups(2, vocab=VOCAB, seed=5)
+    fixed = [_with_rewards(g0, 1.0, 0.0, 0.5, 0.5), _with_rewards(g1, 0.0, 0.2, 0.9, 0.1)]
+    learner, queue, _ = make_learner(algorithm="dpo", dpo_loss="ipo", dpo_beta=0.5, dpo_length_norm=True,
+                                     lr=1e-3)
+    margins = []
+    for _ in range(8):
+        queue.put([g.with_version(learner.version) for g in fixed])
+        margins.append(learner.step().extra["reward_margin"])
+    assert margins[0] == 0.0 and abs(margins[-1] - 0.5) < 0.1, margins
