@@ -102,8 +102,10 @@ class ModelConfig(_Section):
 @dataclass(frozen=True)
 class DataConfig(_Section):
     _prefix = "data."
-    # where prompts come from: a built-in task, a JSONL file or a saved HF dataset
-    source: Literal["task", "jsonl", "hf_dataset"] = "task"
+    # where prompts come from: a built-in task, a JSONL file or a saved HF dataset; or
+    # preferences: no generation, a JSONL file of {prompt, chosen, rejected} pairs trained by
+    # learner.algorithm=dpo (actors/preferences.py)
+    source: Literal["task", "jsonl", "hf_dataset", "preferences"] = "task"
     task: str = "count"  # built-in task name when source == "task"
     path: str = ""  # JSONL file or dataset directory for the other sources
     prompt_key: str = "prompt"  # holds a string, or a list of {"role", "content"} messages
@@ -410,6 +412,13 @@ class Config(_Section):
             self.learner.batch_size,
             f"a multiple of generator.group_size ({self.generator.group_size})",
         )
+        if self.data.source == "preferences":  # one producer puts the file's pairs, in groups of 2
+            _check(self.learner.algorithm == "dpo", "learner.algorithm", self.learner.algorithm,
+                   "dpo with data.source=preferences (the file holds pairs, no rewards to optimise)")
+            _check(self.generator.group_size == 2, "generator.group_size", self.generator.group_size,
+                   "2 with data.source=preferences (a group is one pair)")
+            _check(self.generator.count == 1, "generator.count", self.generator.count,
+                   "1 with data.source=preferences (one producer reads the file; more would repeat it)")
         if self.learner.algorithm == "dpo":  # a pair is two responses to one prompt
             _check(self.generator.group_size >= 2, "generator.group_size", self.generator.group_size,
                    ">= 2 with learner.algorithm=dpo (a pair is two responses of one group)")

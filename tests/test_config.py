@@ -197,6 +197,12 @@ def test_help_imports_no_command_module():
          "learner.kl_coef must be 0 with learner.algorithm=dpo (dpo has its KL strength in learner.dpo_beta"),
         (["learner.algorithm=dpo", "learner.dpo_beta=0"], "learner.dpo_beta must be > 0, got 0"),
         (["learner.algorithm=sft"], "learner.algorithm must be one of 'ppo', 'dpo', 'rs', got 'sft'"),
+        (["data.source=preferences", "data.path=p.jsonl"],
+         "learner.algorithm must be dpo with data.source=preferences (the file holds pairs"),
+        (["data.source=preferences", "data.path=p.jsonl", "learner.algorithm=dpo"],
+         "generator.group_size must be 2 with data.source=preferences (a group is one pair), got 4"),
+        (["data.source=preferences", "data.path=p.jsonl", "learner.algorithm=dpo", "generator.group_size=2",
+          "generator.count=2"], "generator.count must be 1 with data.source=preferences"),
     ],
 )
 def test_preference_algorithms_need_groups_and_no_critic_or_kl(overrides, message):

@@ -1,11 +1,14 @@
 """learner.algorithm dpo and rs: which rows of a batch they train (pure), and the learner loop
-on the torch backend, the tiny model and the real Redis stream (conftest.py make_learner)."""
+on the torch backend, the tiny model and the real Redis stream (conftest.py make_learner); the
+offline producer of data.source=preferences on the real stream."""
 
 import dataclasses
 import math
+import threading
+import time
 
 import torch
-from helpers import VOCAB
+from helpers import VOCAB, EngineGate
 
 from async_rlhf.synthetic import random_groups
 from async_rlhf.types import Group, Received
@@ -78,6 +81,65 @@ def test_rejection_sampling_fine_tunes_on_each_groups_best_at_the_threshold(make
     rise = _sequence_logps(learner, fixed) - before
     assert rise[2] > 5.0 and rise[2] > 2 * rise[[0, 1, 3]].max(), rise
     assert metrics.extra["best_trained"] == 1 and metrics.counts["groups_below_threshold"] == 3
+
+
+def _wait(predicate, what: str, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def test_preference_records_become_pairs_at_the_gate_and_bad_ones_are_dead_lettered_once(
+        make_queue, tiny_actor_model):
+    """Two good records among six bad ones: pairs (chosen reward 1, rejected 0, EOS-ended) enter
+    the real stream as far as the staleness gate admits them, stamped with the version heard
+    last; each bad record is dead-lettered with its reason once, not again in the next epoch."""
+    from transformers import AutoTokenizer
+
+    from actors.preferences import PreferenceProducer
+    from actors.prompts import ChatRenderer
+    from async_rlhf.staleness import StalenessGate
+
+    tok = AutoTokenizer.from_pretrained(tiny_actor_model)
+    rows = [{"prompt": "count a: 1=", "chosen": "aaaa", "rejected": "bb"},
+            {"prompt": "count a: 2=", "rejected": "bb"},
+            {"prompt": "count a: 3=", "chosen": " ", "rejected": "bb"},
+            {"prompt": "count a: 4=", "chosen": "ab", "rejected": "ab"},
+            {"chosen": "a", "rejected": "b"},
+            {"prompt": "count a: 5=", "chosen": 3, "rejected": "b"},
+            {"prompt": "count a: 6=", "chosen": "aaa", "rejected": "a"},
+            {"prompt": "count a: 7=", "chosen": "a" * 50, "rejected": "b"}]
+    queue = make_queue("gen-0")
+    gate = StalenessGate(max_staleness=0, batch_size=4)  # 4 samples, 2 pairs, per version
+    producer = PreferenceProducer(rows, ChatRenderer(tok), tok, queue,
+                                  EngineGate(gate, lambda: producer.policy_version), max_tokens=40)
+    stop = threading.Event()
+    thread = threading.Thread(target=producer.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        _wait(lambda: queue.stats().backlog == 2 and gate.running == 0, "two pairs")
+        time.sleep(0.3)
+        assert queue.stats().backlog == 2  # the gate holds the rest back
+        gate.step_trained(4)
+        producer.apply_weights((), 1)
+        _wait(lambda: queue.stats().backlog == 4, "two more pairs at version 1")
+    finally:
+        stop.set()
+        thread.join(10)
+    groups = [r.group for r in queue.get(10, block_ms=0)]
+    assert [g.policy_version for g in groups] == [0, 0, 1, 1]
+    assert [[t.reward for t in g.members] for g in groups] == [[1.0, 0.0]] * 4
+    chosen = groups[0].members[0]
+    assert chosen.response_ids.tolist() == tok("aaaa", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert chosen.prompt_ids.tolist() == tok("count a: 1=")["input_ids"]
+    assert groups[2].members[0].prompt_ids.tolist() == chosen.prompt_ids.tolist()  # the next epoch
+    reasons = [d.reason for d in queue.dead_letters()]
+    assert reasons == ["missing_field", "empty_response", "identical_responses", "missing_field", "not_text",
+                       "too_long"]
+    # the last put: the second epoch's record 6, the 15th record read
+    assert producer.stats().set_aside_total == 6 and queue.prompt_positions()["gen-0"] == 15
 
 
 def test_ipo_with_length_normalised_log_probs_drives_the_margin_to_its_target(make_learner):
