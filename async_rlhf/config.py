@@ -419,6 +419,9 @@ class Config(_Section):
                    "2 with data.source=preferences (a group is one pair)")
             _check(self.generator.count == 1, "generator.count", self.generator.count,
                    "1 with data.source=preferences (one producer reads the file; more would repeat it)")
+            _check(self.placement == "manual", "placement", self.placement,
+                   "manual with data.source=preferences (no generation to size stages for: the "
+                   "one producer needs no core of its own; set learner.threads/ranks by hand)")
         if self.learner.algorithm == "dpo":  # a pair is two responses to one prompt
             _check(self.generator.group_size >= 2, "generator.group_size", self.generator.group_size,
                    ">= 2 with learner.algorithm=dpo (a pair is two responses of one group)")

@@ -202,7 +202,9 @@ def test_help_imports_no_command_module():
         (["data.source=preferences", "data.path=p.jsonl", "learner.algorithm=dpo"],
          "generator.group_size must be 2 with data.source=preferences (a group is one pair), got 4"),
         (["data.source=preferences", "data.path=p.jsonl", "learner.algorithm=dpo", "generator.group_size=2",
-          "generator.count=2"], "generator.count must be 1 with data.source=preferences"),
+          "placement=manual", "generator.count=2"], "generator.count must be 1 with data.source=preferences"),
+        (["data.source=preferences", "data.path=p.jsonl", "learner.algorithm=dpo", "generator.group_size=2"],
+         "placement must be manual with data.source=preferences"),
     ],
 )
 def test_preference_algorithms_need_groups_and_no_critic_or_kl(overrides, message):

@@ -154,3 +154,19 @@ def test_ipo_with_length_normalised_log_probs_drives_the_margin_to_its_target(ma
         queue.put([g.with_version(learner.version) for g in fixed])
         margins.append(learner.step().extra["reward_margin"])
     assert margins[0] == 0.0 and abs(margins[-1] - 0.5) < 0.1, margins
+
+
+def test_dpo_keeps_each_group_whole_in_a_micro_batch_whatever_its_rows_lengths(make_learner):
+    """The learner orders a rank's rows longest first; for dpo it orders whole groups (by their
+    longest row), so that group 0's long chosen row and its short rejected row still meet in one
+    micro-batch of 4, and both pairs train."""
+    g0, g1 = random_groups(2, vocab=VOCAB, seed=6)
+    members = list(g0.members)
+    for i, n in enumerate((8, 2, 2, 2)):  # g1's rows all have 8 tokens: row by row they would interleave
+        t = members[i]
+        members[i] = dataclasses.replace(t, response_ids=t.response_ids[:n], behavior_logprobs=t.behavior_logprobs[:n])
+    fixed = [_with_rewards(Group(tuple(members)), 1.0, 0.0, 0.5, 0.5), _with_rewards(g1, 0.0, 1.0, 0.5, 0.5)]
+    learner, queue, _ = make_learner(algorithm="dpo")
+    queue.put(fixed)
+    metrics = learner.step()
+    assert metrics.extra["pairs"] == 2 and math.isfinite(metrics.loss)
