@@ -123,7 +123,7 @@ class PreferenceProducer:
                 group_id=f"pref-{self._taken}", finished=True))
         longest = max(m.num_tokens for m in members)
         if self.max_tokens is not None and longest > self.max_tokens:
-            return "too_long", f"{longest} tokens with the prompt, over the model's context ({self.max_tokens})"
+            return "too_long", f"{longest} tokens with the prompt, over the model's context of {self.max_tokens}"
         return Group(tuple(members))
 
     def _dead_letter(self, index: int, reason: str, detail: str) -> None:
@@ -138,7 +138,8 @@ class PreferenceProducer:
             generator_id=self.generator_id, policy_version=self.policy_version, schedule="offline",
             update_mode="version_only", prompt_start=self.prompt_start, prompt_position=self._taken,
             produced=self._counts["produced"], groups=self._counts["groups"], tokens=self._counts["tokens"],
-            steps=0, aborted=0, set_aside=dict(self._set_aside), set_aside_total=sum(self._set_aside.values()),
+            steps=0, aborted=0, set_aside=dict(self._set_aside),
+            set_aside_total=sum(self._set_aside.values()),
             dead_letter_errors=0, weight_updates=self._counts["weight_updates"], inflight_updates=0,
             run_s=self._seconds["run"], generate_s=0.0, score_s=0.0, put_s=self._seconds["put"], idle_s=0.0,
             weight_update_s=0.0, weight_wait_s=0.0, mean_inflight=0.0, tokens_per_s=0.0,

@@ -286,9 +286,9 @@ class LearnerConfig(_Section):
     wait_s: float = 60.0  # a step fails if the stream delivers nothing usable for this long
     max_restarts: int = 3  # a dead learner rank restarts (all ranks, from the newest checkpoint)
     # The objective trained on each batch of groups: ppo (the policy-gradient losses that
-    # clip_eps, correction, advantage... configure); dpo (each group's highest-reward response chosen, its lowest rejected,
-    # against a frozen copy of the initial policy); rs (rejection sampling, best-of-n: supervised
-    # fine-tuning on each group's best response)
+    # clip_eps, correction, advantage... configure); dpo (each group's highest-reward response
+    # chosen, its lowest rejected, against a frozen copy of the initial policy); rs (rejection
+    # sampling, best-of-n: supervised fine-tuning on each group's best response)
     algorithm: Literal["ppo", "dpo", "rs"] = "ppo"
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO's logistic loss, or IPO's squared one
     dpo_beta: float = 0.1  # DPO's beta: the strength of the implicit KL to the reference
@@ -303,7 +303,8 @@ class LearnerConfig(_Section):
                    f"grpo, rloo or reinforce_pp with learner.algorithm={self.algorithm} "
                    "(gae trains a critic that dpo and rs never use)")
             _check(self.kl_coef == 0, "learner.kl_coef", self.kl_coef,
-                   f"0 with learner.algorithm={self.algorithm} (dpo has its KL strength in learner.dpo_beta, rs no KL term)")
+                   f"0 with learner.algorithm={self.algorithm} (dpo has its KL strength in "
+                   "learner.dpo_beta, rs no KL term)")
         self._positive("max_reuse", "minibatches", "critic_lr", "wait_s")
         _check(self.max_restarts >= 0, "learner.max_restarts", self.max_restarts, ">= 0")
         if self.backend == "torch":
@@ -427,8 +428,8 @@ class Config(_Section):
                    ">= 2 with learner.algorithm=dpo (a pair is two responses of one group)")
             # the chosen and rejected responses of a pair meet in one forward pass
             _check(self.learner.micro_batch % self.generator.group_size == 0, "learner.micro_batch",
-                   self.learner.micro_batch, f"a multiple of generator.group_size "
-                   f"({self.generator.group_size}) with learner.algorithm=dpo (a micro-batch holds whole groups)")
+                   self.learner.micro_batch, f"a multiple of generator.group_size ({self.generator.group_size}) "
+                   "with learner.algorithm=dpo (a micro-batch holds whole groups)")
 
     def to_yaml(self) -> str:
         """The resolved config as YAML, fit to print or keep (a Redis password is redacted)."""
