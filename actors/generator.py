@@ -126,6 +126,11 @@ class Generator:
         self._last_reward = float("nan")
 
     # -- weights ---------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the engine holds."""
+        return self.engine.policy_version
+
     def apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights at the engine loop's next safe point (at once when no loop runs);
         returns when they are loaded."""

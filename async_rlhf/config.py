@@ -102,8 +102,10 @@ class ModelConfig(_Section):
 @dataclass(frozen=True)
 class DataConfig(_Section):
     _prefix = "data."
-    # where prompts come from: a built-in task, a JSONL file or a saved HF dataset
-    source: Literal["task", "jsonl", "hf_dataset"] = "task"
+    # where prompts come from: a built-in task, a JSONL file or a saved HF dataset; or
+    # preferences: no generation, a JSONL file of {prompt, chosen, rejected} pairs trained by
+    # learner.algorithm=dpo (actors/preferences.py)
+    source: Literal["task", "jsonl", "hf_dataset", "preferences"] = "task"
     task: str = "count"  # built-in task name when source == "task"
     path: str = ""  # JSONL file or dataset directory for the other sources
     prompt_key: str = "prompt"  # holds a string, or a list of {"role", "content"} messages
@@ -292,9 +294,26 @@ class LearnerConfig(_Section):
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     wait_s: float = 60.0  # a step fails if the stream delivers nothing usable for this long
     max_restarts: int = 3  # a dead learner rank restarts (all ranks, from the newest checkpoint)
+    # The objective trained on each batch of groups: ppo (the policy-gradient losses that
+    # clip_eps, correction, advantage... configure); dpo (each group's highest-reward response
+    # chosen, its lowest rejected, against a frozen copy of the initial policy); rs (rejection
+    # sampling, best-of-n: supervised fine-tuning on each group's best response)
+    algorithm: Literal["ppo", "dpo", "rs"] = "ppo"
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO's logistic loss, or IPO's squared one
+    dpo_beta: float = 0.1  # DPO's beta: the strength of the implicit KL to the reference
+    dpo_length_norm: bool = False  # dpo: mean per-token log-probs of a response instead of their sum
+    rs_threshold: float = 0.0  # rs trains on a group's best response only if its reward is at least this
 
     def _validate(self) -> None:
         self._positive("steps", "batch_size", "micro_batch", "ranks", "threads", "lr", "clip_eps", "is_cap")
+        self._positive("dpo_beta")
+        if self.algorithm != "ppo":
+            _check(self.advantage != "gae", "learner.advantage", self.advantage,
+                   f"grpo, rloo or reinforce_pp with learner.algorithm={self.algorithm} "
+                   "(gae trains a critic that dpo and rs never use)")
+            _check(self.kl_coef == 0, "learner.kl_coef", self.kl_coef,
+                   f"0 with learner.algorithm={self.algorithm} (dpo has its KL strength in "
+                   "learner.dpo_beta, rs no KL term)")
         self._positive("max_reuse", "minibatches", "critic_lr", "wait_s")
         _check(self.max_restarts >= 0, "learner.max_restarts", self.max_restarts, ">= 0")
         if self.backend == "torch":
@@ -403,6 +422,23 @@ class Config(_Section):
             self.learner.batch_size,
             f"a multiple of generator.group_size ({self.generator.group_size})",
         )
+        if self.data.source == "preferences":  # one producer puts the file's pairs, in groups of 2
+            _check(self.learner.algorithm == "dpo", "learner.algorithm", self.learner.algorithm,
+                   "dpo with data.source=preferences (the file holds pairs, no rewards to optimise)")
+            _check(self.generator.group_size == 2, "generator.group_size", self.generator.group_size,
+                   "2 with data.source=preferences (a group is one pair)")
+            _check(self.generator.count == 1, "generator.count", self.generator.count,
+                   "1 with data.source=preferences (one producer reads the file; more would repeat it)")
+            _check(self.placement == "manual", "placement", self.placement,
+                   "manual with data.source=preferences (no generation to size stages for: the "
+                   "one producer needs no core of its own; set learner.threads/ranks by hand)")
+        if self.learner.algorithm == "dpo":  # a pair is two responses to one prompt
+            _check(self.generator.group_size >= 2, "generator.group_size", self.generator.group_size,
+                   ">= 2 with learner.algorithm=dpo (a pair is two responses of one group)")
+            # the chosen and rejected responses of a pair meet in one forward pass
+            _check(self.learner.micro_batch % self.generator.group_size == 0, "learner.micro_batch",
+                   self.learner.micro_batch, f"a multiple of generator.group_size ({self.generator.group_size}) "
+                   "with learner.algorithm=dpo (a micro-batch holds whole groups)")
 
     def to_yaml(self) -> str:
         """The resolved config as YAML, fit to print or keep (a Redis password is redacted)."""
