@@ -54,7 +54,7 @@ def test_online_dpo_prefers_each_groups_best_over_its_worst_against_a_frozen_ref
     before, ref_before = _sequence_logps(learner, fixed), _sequence_logps(learner, fixed, reference=True)
     history = []
     for _ in range(4):
-        queue.put([g.with_version(learner.version) for g in fixed])
+        queue.put([g.with_version(learner.version, f"{g.group_id}@v{learner.version}") for g in fixed])
         history.append(learner.step())
     after, ref_after = _sequence_logps(learner, fixed), _sequence_logps(learner, fixed, reference=True)
     assert torch.equal(ref_before, ref_after)
@@ -76,7 +76,7 @@ def test_rejection_sampling_fine_tunes_on_each_groups_best_at_the_threshold(make
     learner, queue, _ = make_learner(algorithm="rs", rs_threshold=0.5)
     before = _sequence_logps(learner, fixed)
     for _ in range(3):
-        queue.put([g.with_version(learner.version) for g in fixed])
+        queue.put([g.with_version(learner.version, f"{g.group_id}@v{learner.version}") for g in fixed])
         metrics = learner.step()
     rise = _sequence_logps(learner, fixed) - before
     assert rise[2] > 5.0 and rise[2] > 2 * rise[[0, 1, 3]].max(), rise
@@ -151,7 +151,7 @@ def test_ipo_with_length_normalised_log_probs_drives_the_margin_to_its_target(ma
                                      lr=1e-3)
     margins = []
     for _ in range(8):
-        queue.put([g.with_version(learner.version) for g in fixed])
+        queue.put([g.with_version(learner.version, f"{g.group_id}@v{learner.version}") for g in fixed])
         margins.append(learner.step().extra["reward_margin"])
     assert margins[0] == 0.0 and abs(margins[-1] - 0.5) < 0.1, margins
 
