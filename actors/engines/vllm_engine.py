@@ -51,9 +51,11 @@ with version v never reuses prompt blocks computed with other weights (vLLM's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -148,6 +150,11 @@ class VLLMEngine:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process in (None, True) else "1"
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             torch.set_num_threads(threads)  # vLLM's CPU worker blocks later calls
+        # With the engine core in another process, every call is a message on one ZMQ socket,
+        # which is not thread-safe: the engine loop's steps and the weight-sync calls (another
+        # thread) take turns. In-process calls need no such turn.
+        in_process = self.device == "cpu" and in_process in (None, True)
+        self._client = contextlib.nullcontext() if in_process else threading.Lock()
         self._set_num_threads = torch.set_num_threads  # vLLM replaces it; close() puts it back
         try:
             from vllm import LLM, SamplingParams
@@ -221,7 +228,8 @@ class VLLMEngine:
             output_kind=self._final_only,  # the default re-sends every token at every step
         )
         inputs = TokensPrompt(prompt_token_ids=list(prompt.token_ids), cache_salt=str(self._version))
-        self._engine.add_request(key, inputs, params)
+        with self._client:
+            self._engine.add_request(key, inputs, params)
 
     def step(self) -> list[tuple[str, list[Sample]]]:
         if self.device == "cpu" and torch.get_num_threads() != self.threads:
@@ -229,11 +237,13 @@ class VLLMEngine:
             # the count it planned with is the one it runs with: a step from another thread
             # (the generator's loop, a test's) must use the count the engine was built with.
             self._set_num_threads(self.threads)
-        return [(out.request_id, [self._sample(c) for c in out.outputs])
-                for out in self._engine.step() if out.finished]
+        with self._client:
+            outputs = self._engine.step()
+        return [(out.request_id, [self._sample(c) for c in out.outputs]) for out in outputs if out.finished]
 
     def abort(self, keys: Sequence[str]) -> None:
-        self._engine.abort_request(list(keys))
+        with self._client:
+            self._engine.abort_request(list(keys))
 
     def generate(self, prompts: Sequence[Prompt], n: int, *, greedy: bool = False) -> list[list[Sample]]:
         """n samples per prompt, all in the engine at once (nothing else may be in flight)."""
@@ -261,20 +271,20 @@ class VLLMEngine:
     def join_weight_sync(self, address: SyncAddress, rank: int) -> None:
         """Every worker joins the epoch, as ranks rank .. rank + sync_ranks - 1 (blocks until the
         group forms)."""
-        self.llm.collective_rpc("join_weight_sync", args=(dataclasses.asdict(address), rank))
+        self._rpc("join_weight_sync", dataclasses.asdict(address), rank)
 
     def receive_weights(self, meta: UpdateMeta, load: bool, keep: Iterable[int] = ()) -> int:
         """Take the update the learner is broadcasting now, in every worker; `load`: load it at
         once (call between two steps), else stage it there for `load_staged`, letting go of the
         staged versions not in `keep`. Returns the bytes each worker received."""
-        nbytes = self.llm.collective_rpc("receive_weights", args=(dataclasses.asdict(meta), load, list(keep)))[0]
+        nbytes = self._rpc("receive_weights", dataclasses.asdict(meta), load, list(keep))[0]
         if load:
             self._loaded(meta.version)
         return nbytes
 
     def load_staged(self, version: int) -> None:
         """Load a staged version in every worker (between two steps); older ones are let go."""
-        self.llm.collective_rpc("load_staged", args=(version,))
+        self._rpc("load_staged", version)
         self._loaded(version)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -282,13 +292,19 @@ class VLLMEngine:
         RPC's arguments, so with the engine core in another process they are serialised; jobs
         use receive_weights."""
         weights = [(name, t.detach()) for name, t in named_tensors]
-        self.llm.collective_rpc("reload_named_weights", args=(weights,))
+        self._rpc("reload_named_weights", weights)
         self._loaded(version)
+
+    def _rpc(self, method: str, *args) -> list:
+        """Call the worker extension's `method` on every worker; their results."""
+        with self._client:
+            return self.llm.collective_rpc(method, args=args)
 
     def _loaded(self, version: int) -> None:
         """New weights are in: sample as `version` from the next step on (groups in flight keep
         their KV cache and go on with the new weights)."""
-        self._engine.set_weight_version(str(version))
-        if not self.num_sequences:  # free the old versions' blocks (vLLM refuses while requests run)
-            self.llm.reset_prefix_cache()
+        with self._client:
+            self._engine.set_weight_version(str(version))
+            if not self.num_sequences:  # free the old versions' blocks (vLLM refuses while requests run)
+                self.llm.reset_prefix_cache()
         self._version = version
