@@ -199,7 +199,6 @@ class WeightBroadcaster:
         self._state = threading.Condition()  # guards the fields above; never held in a collective
         self._closed = False
         self.last_publish_s = 0.0  # the learner's share of the newest publish (packing)
-        self.last_send_s = 0.0  # the newest delivered update: RPC, broadcasts, members loaded
         self.last_publish_bytes = 0  # the newest delivered update's
         self.failures = 0
         self.last_error = ""
@@ -285,7 +284,7 @@ class WeightBroadcaster:
             self._send(epoch, UpdateMeta(epoch.address.epoch, version, metas), buckets)
 
     def _send(self, epoch: _Epoch, meta: UpdateMeta, buckets: list[torch.Tensor]) -> None:
-        device, start = _device(self.backend), time.perf_counter()
+        device = _device(self.backend)
         try:
             members_done = epoch.notify(meta)
             for bucket in buckets:
@@ -300,7 +299,6 @@ class WeightBroadcaster:
             return
         with self._state:
             epoch.sent, epoch.sending = meta.version, False
-            self.last_send_s = time.perf_counter() - start
             self.last_publish_bytes = sum(b.numel() for b in buckets)
             self._state.notify_all()
         self._retire(epoch)

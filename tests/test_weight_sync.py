@@ -119,7 +119,7 @@ def test_versions_reach_every_member_across_epochs(members):
     sender.publish(_weights(2), version=2)
     assert members.get(1) == [("a", 1, 2, _summary(_weights(2)))]
     _delivered(sender, 2)
-    assert sender.last_publish_bytes > 0 and sender.last_publish_s > 0 and sender.last_send_s > 0
+    assert sender.last_publish_bytes > 0 and sender.last_publish_s > 0
 
     # A second member joins: a new epoch with 3 ranks replaces the first, and both get the
     # newest version at once.
