@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 _ALIGN = 8
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 Param = tuple[str, str, list[int]]  # name, dtype (str(torch.dtype)), shape
+# On purpose, for the weight-sync groups: a failed or timed-out collective raises in the caller
+# (blocking wait) and only cleans up the communicator; the default error handling (3) tears the
+# whole process down, so a dead generator would take learner rank 0 with it.
+_NCCL_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 @dataclass(frozen=True)
@@ -123,14 +127,18 @@ def join_group(address: SyncAddress, store: dist.Store, rank: int):
                            f"not join {address.host}:{address.port} within {address.timeout_s:.0f}s") from e
     if address.backend != "nccl":
         return dist.ProcessGroupGloo(prefixed, rank, address.world_size, timeout)  # connects here
-    # On purpose: a failed or timed-out collective raises in the caller (blocking wait) and only
-    # cleans up the communicator; the default (3) tears the whole process down, which for the
-    # learner means a dead generator would take rank 0 with it.
-    os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
-    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    group = dist.ProcessGroupNCCL(prefixed, rank, address.world_size, options)
+    saved = {k: os.environ.get(k) for k in _NCCL_ENV}
+    os.environ.update(_NCCL_ENV)  # read by this group's constructor: the learner's other groups
+    try:                          # keep their own settings
+        group = dist.ProcessGroupNCCL(prefixed, rank, address.world_size, options)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
     group.eager_connect_single_device(_device("nccl"))  # init now, not at the first broadcast
     return group
 
