@@ -182,6 +182,44 @@ def test_hf_engine_top_p_logprobs_are_of_the_nucleus(tiny_actor_model, prompts):
     assert np.all(group[0].behavior_logprobs >= full - 1e-5)
 
 
+def test_staged_updates_wait_in_the_engine_until_one_is_loaded(tiny_actor_model):
+    """The staged path (between_groups, weight_lag, the evaluator) on the transformers engine:
+    each update is received when the learner sends it and kept by version; the caller loads the
+    one it picks, older ones are let go, and `keep` holds on to those still due."""
+    import threading
+
+    from async_rlhf.weight_sync import WeightBroadcaster
+
+    engine = HFEngine(tiny_actor_model, max_new_tokens=4)
+    original = _hf_model(tiny_actor_model).state_dict()
+    sender = WeightBroadcaster(timeout_s=60)
+    keep: set[int] = set()
+
+    def notify(meta):  # the member takes each update now, staged
+        receiving = threading.Thread(target=engine.receive_weights, args=(meta, False, set(keep)))
+        receiving.start()
+        return receiving.join
+
+    engine.join_weight_sync(sender.open_epoch(1 + engine.sync_ranks, notify), rank=1)
+    with sender._state:
+        assert sender._state.wait_for(lambda: sender._current.group is not None, 60)
+    embed = "model.embed_tokens.weight"
+    for version, keep_now in ((1, set()), (2, {1}), (3, {1})):  # 2 is let go when 3 arrives
+        keep.clear()
+        keep.update(keep_now)
+        sender.publish(((k, v * version) for k, v in original.items()), version=version)
+        with sender._state:
+            assert sender._state.wait_for(lambda: sender._current.sent == version, 60)
+    assert engine.policy_version == 0  # nothing loaded yet
+    engine.load_staged(1)
+    assert engine.policy_version == 1 and engine.model.model.embed_tokens.weight.equal(original[embed])
+    with pytest.raises(KeyError, match=r"version 2 is not staged here \(staged: \[3\]\)"):
+        engine.load_staged(2)
+    engine.load_staged(3)
+    assert engine.policy_version == 3 and engine.model.model.embed_tokens.weight.equal(3 * original[embed])
+    sender.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("in_process", [False, True], ids=["engine-core-process", "in-process"])
 def test_weights_go_straight_into_the_vllm_workers(tiny_actor_model, prompts, in_process):
