@@ -95,6 +95,6 @@ def make_evaluator(cfg: Config, engine: GenerationEngine | None = None, device: 
     context = getattr(model_cfg, "max_position_embeddings", None) or getattr(model_cfg, "n_positions", None)
     prompts = eval_prompts(cfg, AutoTokenizer.from_pretrained(cfg.model.path),
                            max_tokens=context and context - g.max_new_tokens)
-    return Evaluator(engine or make_engine(g, cfg.model.path, seed=cfg.seed, device=device), prompts,
-                     Scorer.from_specs(cfg.rewards), samples=cfg.eval.samples,
+    engine = engine or make_engine(g, cfg.model.path, seed=cfg.seed, device=device, model_dtype=cfg.model.dtype)
+    return Evaluator(engine, prompts, Scorer.from_specs(cfg.rewards), samples=cfg.eval.samples,
                      pass_reward=cfg.eval.pass_reward)

@@ -411,7 +411,8 @@ def make_generator(
     prompts = make_prompt_stream(cfg.data, AutoTokenizer.from_pretrained(cfg.model.path), seed=cfg.seed,
                                  stream=index, max_tokens=context and context - g.max_new_tokens)
     return Generator(
-        engine or make_engine(g, cfg.model.path, seed=cfg.seed + index, device=device),
+        engine or make_engine(g, cfg.model.path, seed=cfg.seed + index, device=device,
+                              model_dtype=cfg.model.dtype),
         prompts,
         Scorer.from_specs(cfg.rewards),
         queue,

@@ -49,6 +49,11 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         _check(isinstance(value, (list, tuple)), key, value, "a list")
         (inner, _) = typing.get_args(hint)
         return tuple(_check_type(f"{key}[{i}]", v, inner) for i, v in enumerate(value))
+    if origin is dict:
+        _check(isinstance(value, dict), key, value, "a mapping")
+        key_hint, value_hint = typing.get_args(hint)
+        return {_check_type(f"{key} key", k, key_hint): _check_type(f"{key}[{k!r}]", v, value_hint)
+                for k, v in value.items()}
     if dataclasses.is_dataclass(hint):
         _check(isinstance(value, hint), key, value, f"a {hint.__name__} mapping")
         return value
@@ -160,11 +165,25 @@ class GeneratorConfig(_Section):
     temperature: float = 1.0  # sampling temperature; the learner's log-probs use the same one
     top_p: float = 1.0  # must be 1.0 (nucleus sampling would bias the importance weights)
     threads: int = 1  # torch/vLLM CPU threads per generator
+    # Ray custom resources each of the job's own generators asks for besides its CPUs/GPUs, e.g.
+    # {node_b: 1} to run them on a node started with `ray start --resources='{"node_b": 8}'`;
+    # a replaced generator asks for the same (`add-generators --resources` sets its own).
+    resources: dict[str, float] = field(default_factory=dict)
     # CPU scheduling priority (a nice increment, 0-19) of the generator processes. Where they
     # share cores with the learner, a positive value gives the learner's threads the larger
     # share and the generators the rest (placement: auto sets 19 on CPU; see its module doc).
     nice: int = 0
     tensor_parallel: int = 1  # GPU only
+    # vLLM's weights and compute dtype. auto: model.dtype on CPU (fp32 log-probs match the
+    # learner's to 3e-4; bf16 ones differ by up to 0.5, which the importance weights then carry),
+    # bfloat16 on GPU.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # vLLM's share of the device's memory (weights, activations, KV cache). auto: 0.3 on CPU
+    # (with VLLM_CPU_KVCACHE_SPACE=1; vLLM's own 0.9 fails its start-up memory check), 0.5 on GPU.
+    gpu_memory_utilization: Literal["auto"] | float = "auto"
+    # vLLM without CUDA graphs or torch.compile. auto: on for CPU (compiling would take minutes),
+    # off on GPU (graphs speed up decoding).
+    enforce_eager: Literal["auto"] | bool = "auto"
     max_restarts: int = 10  # a generator that dies is replaced, after 1, 2, 4 ... 30 s, this often
     # Load the weights of version V - weight_lag when version V arrives (0: the newest), so that
     # every sample is exactly min(V, weight_lag) versions old when trained: the staleness study
@@ -177,6 +196,14 @@ class GeneratorConfig(_Section):
         _check(0 <= self.nice <= 19, "generator.nice", self.nice, "from 0 (normal priority) to 19 (lowest)")
         self._positive("count", "group_size", "max_new_tokens", "threads")
         self._positive("temperature", "tensor_parallel")
+        if self.gpu_memory_utilization != "auto":
+            _check(0 < self.gpu_memory_utilization <= 1, "generator.gpu_memory_utilization",
+                   self.gpu_memory_utilization, "auto or a fraction in (0, 1]")
+        for name, amount in self.resources.items():
+            _check(name not in ("CPU", "GPU", "memory"), "generator.resources", self.resources,
+                   "custom resources only: CPUs come from generator.threads, GPUs from "
+                   "generator.tensor_parallel")
+            _check(amount > 0, f"generator.resources[{name!r}]", amount, "> 0")
         _check(all(self.stop), "generator.stop", list(self.stop),
                "a list of non-empty strings (an empty one would stop every response at once)")
         _check(self.max_inflight >= self.group_size, "generator.max_inflight", self.max_inflight,
@@ -250,6 +277,10 @@ class LearnerConfig(_Section):
     critic_lr: float = 1e-5  # GAE only
     critic_init: str = ""  # reward-model directory to start the critic from; "": the policy's
     flash_attention: bool = True  # flash-attention 2 on GPU when installed; CPU always uses sdpa
+    # bf16: forward passes under bf16 autocast with float32 weights, gradients and optimizer
+    # (mixed precision, the standard trainers' default); auto: bf16 where the device computes it
+    # natively (a GPU with bf16, a CPU with avx512_bf16 or AMX), else fp32; fp32: float32 throughout
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     wait_s: float = 60.0  # a step fails if the stream delivers nothing usable for this long
     max_restarts: int = 3  # a dead learner rank restarts (all ranks, from the newest checkpoint)
 
@@ -288,13 +319,14 @@ class LearnerConfig(_Section):
 class StageCosts(_Section):
     """Device-seconds one stage spends per sample on one device (a CPU core running one thread,
     or a GPU), which `placement: auto` sizes the stages from (async_rlhf/launch/placement.py). The
-    defaults are the small preset on a 2-core CPU box (README, Benchmarks): the learner ~5.4 s per 64
-    samples on one thread, vLLM ~1.3 s per 64 with 64 sequences in flight. `async-rlhf bench`
+    defaults are the small preset on a 2-core CPU box (README, Benchmarks): the learner ~2.7 s per 64
+    samples on one thread under bf16 autocast (5.4 s in float32), vLLM ~1.3 s per 64 with 64
+    sequences in flight. `async-rlhf bench`
     measures them (its stage bounds) for its auto settings."""
 
     _prefix = "stage_costs."
     generator_s: float = 0.02  # one generated sample, in device-seconds
-    learner_s: float = 0.084  # one trained sample, in device-seconds
+    learner_s: float = 0.042  # one trained sample, in device-seconds
 
     def _validate(self) -> None:
         self._positive("generator_s", "learner_s")
@@ -333,9 +365,9 @@ class Config(_Section):
     out: str = "runs/demo"  # output directory: metrics.jsonl, summary.json, checkpoints, the exported policy
     seed: int = 0  # seeds prompts, sampling and the learner
     max_staleness: int = 2  # k: a trajectory may be at most k policy versions old when trained on
-    # manual: generator.count/threads and learner.ranks/threads as given; auto: sized from
-    # stage_costs to the machine (async_rlhf/launch/placement.py), printed at start
-    placement: Literal["manual", "auto"] = "manual"
+    # auto: generator.count/threads and learner.ranks/threads sized from stage_costs to this
+    # machine (async_rlhf/launch/placement.py), printed at start; manual: as the config gives them
+    placement: Literal["manual", "auto"] = "auto"
     stage_costs: StageCosts = field(default_factory=StageCosts)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -456,6 +488,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
+_PLACED = (("generator", "count"), ("generator", "threads"), ("learner", "ranks"), ("learner", "threads"))
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterable[str] = ()) -> Config:
     """Build the config from a YAML file (or the defaults) plus `key=value` overrides."""
     raw: dict[str, Any] = {}
@@ -468,6 +503,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterabl
     for text in overrides:
         _set_dotted(raw, *parse_override(text))
     try:
-        return _build(Config, raw, "")
+        cfg = _build(Config, raw, "")
     except TypeError as e:  # a section given where a scalar belongs, or the reverse
         raise ConfigError(str(e)) from None
+    if cfg.placement == "auto":  # it sizes these: a value given for one would be overridden
+        for section, key in _PLACED:
+            given = raw.get(section)
+            _check(not (isinstance(given, dict) and key in given), f"{section}.{key}", given and given.get(key),
+                   "left out with placement: auto, which sizes it (or set placement: manual)")
+    return cfg
+

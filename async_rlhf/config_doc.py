@@ -51,6 +51,8 @@ def _type_name(hint: Any) -> str:
         return "choice"
     if origin is tuple:
         return f"list of {_type_name(typing.get_args(hint)[0])}"
+    if origin is dict:
+        return "mapping of {} to {}".format(*map(_type_name, typing.get_args(hint)))
     if origin is not None:  # a union
         return " or ".join(_type_name(a) for a in typing.get_args(hint))
     return {type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))
@@ -63,7 +65,8 @@ def _allowed(hint: Any) -> str:
     if type(None) in args:  # an optional choice
         inner = _allowed(next(a for a in args if a is not type(None)))
         return f"{inner}, `null`" if inner else ""
-    return ""
+    choices = [a for a in args if typing.get_origin(a) is Literal]  # a choice or a value
+    return _allowed(choices[0]) if choices else ""
 
 
 def _section_rows(cls: type, prefix: str) -> list[str]:

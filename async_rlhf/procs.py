@@ -23,9 +23,9 @@ os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
-def free_port() -> int:
-    """A TCP port free on the loopback interface right now, drawn from below the kernel's
-    ephemeral range. A port the kernel hands out for bind(0) or connect() may go to any process
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port free on `host` (default: the loopback interface) right now, drawn from below
+    the kernel's ephemeral range. A port the kernel hands out for bind(0) or connect() may go to any process
     between this call and the server's bind (seen: Ray's client server lost its port so, 3 s
     after the head started, and the head went down with it); a port below that range is only
     taken by a process that asks for it by number. Where the range starts too low for that, the
@@ -36,12 +36,12 @@ def free_port() -> int:
             port = _rng.randrange(_PORT_FLOOR, low)
             with socket.socket() as s:
                 try:
-                    s.bind((LOOPBACK, port))
+                    s.bind((host, port))
                 except OSError:  # in use
                     continue
                 return port
     with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -73,9 +73,12 @@ def process_age_s() -> float:
     return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
+# A secret the learner ranks' rendezvous store prefixes its keys with, so that only the ranks the
+# launcher started join (the store listens on every interface of rank 0's node).
+RENDEZVOUS_KEY = "ASYNC_RLHF_RENDEZVOUS_KEY"
 # torch.distributed rendezvous variables: a child is a lone process or a whole job of its own,
 # never a member of a group this process (or the shell, under torchrun or SLURM) set up.
-_RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", RENDEZVOUS_KEY)
 
 
 def run_child(argv: list[str], log_path: Path, timeout_s: float,

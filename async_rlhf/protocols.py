@@ -59,8 +59,9 @@ class GenerationEngine(Protocol):
     # model (every vLLM worker) are its members, so updates from the learner load where they land.
     sync_ranks: int  # how many members (ranks) the engine adds to an epoch
 
-    def join_weight_sync(self, address: WeightSyncAddress, rank: int) -> None:
-        """Join an epoch as ranks rank .. rank + sync_ranks - 1 (blocks until it forms)."""
+    def join_weight_sync(self, address: WeightSyncAddress, rank: int, host: str) -> None:
+        """Join an epoch as ranks rank .. rank + sync_ranks - 1, binding `host`, this node's
+        address (blocks until the epoch forms)."""
         ...
 
     def receive_weights(self, meta: UpdateMeta, load: bool, keep: Iterable[int] = ()) -> int:

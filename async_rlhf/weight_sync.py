@@ -5,6 +5,11 @@ vLLM workers, every tensor-parallel rank, or a process that stages updates) gets
 standalone process group over a fresh TCPStore: gloo on CPU, NCCL on GPU. Groups cannot grow, so
 a member joining or leaving means a new epoch.
 
+Addresses: the store listens on every interface of the learner's node (TCPStore does), at the
+`host` it advertises, and each gloo member binds its own node's address (`host`), so an epoch
+spans nodes. Only the epoch's members join: the group's keys live under a random per-epoch
+secret (`SyncAddress.key`) that reaches them through Ray, never over the store.
+
 The learner drives every transfer, and nothing is posted ahead of it. One update:
 
     learner -> each member, by RPC:  UpdateMeta (epoch, version, per bucket [(name, dtype, shape)])
@@ -32,6 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -40,6 +46,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from async_rlhf.procs import LOOPBACK
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +69,7 @@ class SyncAddress:
     epoch: int
     world_size: int  # the learner + every receiving rank
     backend: str  # "gloo" or "nccl"
+    key: str  # the epoch's secret: the group's store prefix, which only its members know
     timeout_s: float = 60.0  # formation and each collective
 
 
@@ -112,11 +121,12 @@ def _padded(n: int) -> int:
     return n + (-n) % _ALIGN  # every tensor's offset stays aligned for the receiver's view()
 
 
-def join_group(address: SyncAddress, store: dist.Store, rank: int):
+def join_group(address: SyncAddress, store: dist.Store, rank: int, host: str):
     """Form the epoch's group now (eagerly): check in at the store, wait for every member until
-    the timeout (then raise, naming who is missing), and connect."""
+    the timeout (then raise, naming who is missing), and connect; gloo binds `host`, this
+    member's own node address."""
     timeout = timedelta(seconds=address.timeout_s)
-    prefixed = dist.PrefixStore(f"weights/epoch{address.epoch}", store)
+    prefixed = dist.PrefixStore(f"weights/epoch{address.epoch}/{address.key}", store)
     prefixed.set(f"member{rank}", "1")
     keys = [f"member{r}" for r in range(address.world_size)]
     try:
@@ -126,7 +136,11 @@ def join_group(address: SyncAddress, store: dist.Store, rank: int):
         raise TimeoutError(f"weight-sync epoch {address.epoch}: ranks {missing} of {address.world_size} did "
                            f"not join {address.host}:{address.port} within {address.timeout_s:.0f}s") from e
     if address.backend != "nccl":
-        return dist.ProcessGroupGloo(prefixed, rank, address.world_size, timeout)  # connects here
+        gloo = dist.ProcessGroupGloo._Options()
+        gloo._timeout = timeout
+        # not gloo's default device, the hostname's address: that may be loopback (127.0.0.1 here)
+        gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(prefixed, rank, address.world_size, gloo)  # connects here
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     saved = {k: os.environ.get(k) for k in _NCCL_ENV}
@@ -156,7 +170,8 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], dist.BroadcastOptions()).wait()
 
 
-def pack(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[list[Param]], list[torch.Tensor]]:
+def pack(named_tensors: Iterable[tuple[str, torch.Tensor]],
+         bucket_bytes: int) -> tuple[list[list[Param]], list[torch.Tensor]]:
     """Tensors as flat uint8 buckets of about bucket_bytes: (per bucket its params, the buckets)."""
     metas, buckets = [], []
     for meta, chunks in _buckets(named_tensors, bucket_bytes):
@@ -195,7 +210,7 @@ class WeightBroadcaster:
     learner ranks, so it happens anyway).
     """
 
-    def __init__(self, host: str = "127.0.0.1", backend: str | None = None,
+    def __init__(self, host: str = LOOPBACK, backend: str | None = None,
                  bucket_mb: float = 64.0, timeout_s: float = 60.0):
         self.host = host
         self.backend = backend or default_backend()
@@ -222,7 +237,8 @@ class WeightBroadcaster:
             self._epoch += 1
             store = dist.TCPStore(self.host, 0, world_size, is_master=True, wait_for_workers=False,
                                   timeout=timedelta(seconds=self.timeout_s))
-            address = SyncAddress(self.host, store.port, self._epoch, world_size, self.backend, self.timeout_s)
+            address = SyncAddress(self.host, store.port, self._epoch, world_size, self.backend,
+                                  key=secrets.token_hex(16), timeout_s=self.timeout_s)
             old, self._current = self._current, _Epoch(address, store, notify)
             epoch = self._current
         self._retire(old)
@@ -231,7 +247,7 @@ class WeightBroadcaster:
 
     def _form(self, epoch: _Epoch) -> None:
         try:
-            group = join_group(epoch.address, epoch.store, 0) if epoch.address.world_size > 1 else None
+            group = join_group(epoch.address, epoch.store, 0, self.host) if epoch.address.world_size > 1 else None
         except Exception as e:  # noqa: BLE001 - counted; the launcher forms the next epoch
             self._fail(epoch, f"{e}; the next membership epoch retries")
             return
@@ -321,15 +337,16 @@ class WeightBroadcaster:
 
 class WeightReceiver:
     """A member's side of one epoch: joins (forms the group) at construction, then `receive(meta)`
-    takes one update when the learner's RPC brings its meta, and `close()` leaves."""
+    takes one update when the learner's RPC brings its meta, and `close()` leaves. `host`: this
+    member's own node address, which gloo binds (loopback unless the epoch spans nodes)."""
 
-    def __init__(self, address: SyncAddress, rank: int):
+    def __init__(self, address: SyncAddress, rank: int, host: str = LOOPBACK):
         if not 0 < rank < address.world_size:
             raise ValueError(f"weight-sync member rank must be in 1..{address.world_size - 1}, got {rank}")
         self.address = address
         self._store = dist.TCPStore(address.host, address.port, address.world_size, is_master=False,
                                     timeout=timedelta(seconds=address.timeout_s))
-        self._group = join_group(address, self._store, rank)
+        self._group = join_group(address, self._store, rank, host)
         self._device = _device(address.backend)
 
     def receive(self, meta: UpdateMeta) -> WeightUpdate:
@@ -366,11 +383,11 @@ class StagedReceiver:
         self._staged: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self._lock = threading.Lock()  # receive and load may run in two threads
 
-    def join(self, address: SyncAddress, rank: int) -> None:
+    def join(self, address: SyncAddress, rank: int, host: str = LOOPBACK) -> None:
         old, self._receiver = self._receiver, None
         if old is not None:
             old.close()
-        self._receiver = WeightReceiver(address, rank)
+        self._receiver = WeightReceiver(address, rank, host)
 
     def receive(self, meta: UpdateMeta, load: bool, keep: Iterable[int] = ()) -> int:
         """Take one update (the learner is broadcasting it now) and load it, or stage it, letting

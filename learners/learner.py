@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from async_rlhf.config import LearnerConfig
 from async_rlhf.messages import StepMetrics, StepTimes
@@ -288,17 +289,22 @@ class Learner:
         self.counters[reason] += 1
 
     # -- every rank: the maths -------------------------------------------------------------
-    def _rank_rows(self, B: int) -> torch.Tensor:
-        """Row indices this rank trains, minibatch after minibatch."""
-        per_mb = B // self.cfg.minibatches
+    def _rank_rows(self, batch: Batch) -> torch.Tensor:
+        """Row indices this rank trains, minibatch after minibatch, each minibatch's longest rows
+        first: its micro-batches then hold rows of like length, and trimmed (Batch.trimmed)
+        they compute little padding. The order changes no sum the loss is made of."""
+        per_mb = batch.input_ids.shape[0] // self.cfg.minibatches
         n = per_mb // self.world
-        return torch.cat([torch.arange(m * per_mb + self.rank * n, m * per_mb + (self.rank + 1) * n)
-                          for m in range(self.cfg.minibatches)])
+        lengths = batch.attention_mask.sum(1).cpu()
+        rows = [torch.arange(m * per_mb + self.rank * n, m * per_mb + (self.rank + 1) * n)
+                for m in range(self.cfg.minibatches)]
+        return torch.cat([r[torch.argsort(lengths[r], descending=True, stable=True)] for r in rows])
 
     def _micro_batches(self, local: Batch):
-        mb = self.cfg.micro_batch
-        for s in range(0, local.input_ids.shape[0], mb):
-            yield s, local.rows(torch.arange(s, min(s + mb, local.input_ids.shape[0])))
+        """(first row, micro-batch trimmed of the padding all its rows share) over `local`."""
+        mb, n = self.cfg.micro_batch, local.input_ids.shape[0]
+        for s in range(0, n, mb):
+            yield s, local.rows(torch.arange(s, min(s + mb, n))).trimmed()
 
     def _recompute(self, local: Batch, timing) -> dict[str, torch.Tensor]:
         """pi_prox (unless prox_from_forward), reference log-probs and critic values [n, T] for
@@ -317,7 +323,8 @@ class Learner:
                 if be.has_critic:
                     out["old_values"].append(be.values(*args))
         timing["recompute"] += time.perf_counter() - t
-        res = {k: torch.cat(v) for k, v in out.items()}
+        T = local.mask.shape[1]  # trimmed micro-batches' columns padded back to the batch's
+        res = {k: torch.cat([F.pad(x, (0, T - x.shape[1])) for x in v]) for k, v in out.items()}
         check_finite(**res)
         return res
 
@@ -347,7 +354,7 @@ class Learner:
         finite, or whose gradient norm is not, changes nothing and is counted (_count_skip)."""
         cfg, be = self.cfg, self.backend
         B = batch.input_ids.shape[0]
-        rows = self._rank_rows(B).to(batch.mask.device)
+        rows = self._rank_rows(batch).to(batch.mask.device)
         local = batch.rows(rows)
         rec = self._recompute(local, timing)
         advantages, returns = self._advantages(batch, rows, local, rec)  # policy_loss checks them
@@ -363,9 +370,12 @@ class Learner:
             local_m = local.rows(torch.arange(m * n_local, (m + 1) * n_local))
             why_skip = ""  # set on every rank once any rank's loss in this optimizer step is not finite
             for s, mb in self._micro_batches(local_m):
-                idx = slice(m * n_local + s, m * n_local + s + mb.input_ids.shape[0])
+                # this micro-batch's rows and (trimmed) response columns of the rank's tensors
+                idx = (slice(m * n_local + s, m * n_local + s + mb.input_ids.shape[0]),
+                       slice(0, mb.mask.shape[1]))
+                mine = {k: v[idx] for k, v in rec.items()}
                 t = time.perf_counter()
-                loss, parts, st, why = self._micro_loss(mb, rec, idx, advantages[idx], counts)
+                loss, parts, st, why = self._micro_loss(mb, mine, advantages[idx], counts)
                 timing["forward"] += time.perf_counter() - t
                 why_skip = self._any_rank(why_skip or why)
                 t = time.perf_counter()
@@ -382,7 +392,7 @@ class Learner:
                     skipped += 1
                     self._count_skip(batch, m, why_skip or f"gradient norm {norm}")
                 if be.has_critic:
-                    self._critic_micro_step(mb, rec["old_values"][idx], returns[idx], counts, sums, timing)
+                    self._critic_micro_step(mb, mine["old_values"], returns[idx], counts, sums, timing)
                 ntok = float(mb.mask.sum())
                 sums.update(parts, tokens=ntok)
                 for k in ("clip_frac", "ratio_mean", "bw_mean", "bw_capped_frac"):
@@ -390,15 +400,16 @@ class Learner:
                 bw_max = torch.maximum(bw_max, torch.tensor([st["bw_max"]], device=be.device))
         return {**self._reduce_stats(sums, bw_max, grad_norms), "skipped_nonfinite": skipped}
 
-    def _micro_loss(self, mb: Batch, rec: dict, idx: slice, advantages: torch.Tensor,
+    def _micro_loss(self, mb: Batch, rec: dict, advantages: torch.Tensor,
                     counts: dict) -> tuple[torch.Tensor, dict, dict, str]:
-        """Forward and loss of one micro-batch: (this rank's share of the loss, its parts and the
+        """Forward and loss of one micro-batch (`rec`: _recompute's tensors at its rows and
+        columns): (this rank's share of the loss, its parts and the
         policy stats as floats, why the loss is not finite or ""). A NaN/inf input on a real token
         (NonFiniteError) gives a NaN loss that still reaches every parameter, and NaN stats."""
         cfg, be = self.cfg, self.backend
         logp, entropy = be.logprobs(mb.input_ids, mb.attention_mask, mb.positions,
                                     with_entropy=True, entropy_grad=cfg.entropy_coef > 0)
-        prox = logp.detach() if self.prox_from_forward else rec["prox_logp"][idx]
+        prox = logp.detach() if self.prox_from_forward else rec["prox_logp"]
         why = ""
         try:
             pg, st = policy_loss(
@@ -413,7 +424,7 @@ class Learner:
         loss = pg - cfg.entropy_coef * ent
         parts = {"loss_policy": pg.item(), "entropy": ent.item()}
         if "ref_logp" in rec:
-            kl = aggregate(kl_penalty(logp, rec["ref_logp"][idx], cfg.kl_estimator), mb.mask,
+            kl = aggregate(kl_penalty(logp, rec["ref_logp"], cfg.kl_estimator), mb.mask,
                            cfg.loss_agg, **counts)
             if cfg.kl_mode == "loss":
                 loss = loss + cfg.kl_coef * kl

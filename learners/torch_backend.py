@@ -1,8 +1,8 @@
 """Plain torch train backend: one process, the policy (and critic) on torch.optim.AdamW.
 
-No process group and no DeepSpeed: world size 1, fp32, on the GPU where CUDA is and the CPU
-otherwise; the learner loop's tests run on it in seconds. Its steps are DeepSpeed ZeRO-0 fp32's
-on one rank: the micro-batches' loss shares' gradients summed (no division by the accumulation
+No process group and no DeepSpeed: world size 1, float32 weights (forward passes under bf16
+autocast per learner.mixed_precision), on the GPU where CUDA is and the CPU otherwise; the
+learner loop's tests run on it in seconds. Its steps are DeepSpeed ZeRO-0's on one rank: the micro-batches' loss shares' gradients summed (no division by the accumulation
 count), clipped to learner.grad_clip, one AdamW step per learner.batch_size / learner.minibatches
 samples, and a non-finite gradient norm drops the step.
 """
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from async_rlhf.config import LearnerConfig
-from learners.models import HeldModels, default_device, load_models
+from learners.models import HeldModels, adamw, autocast_dtype, default_device, load_models
 
 _STATE = "state.pt"
 
@@ -45,16 +45,15 @@ class TorchBackend(HeldModels):
                              "runs torch.optim.AdamW (learner.optimizer=adamw_torch)")
         self.cfg, self.temperature = cfg, temperature
         self.device = default_device()
+        self.autocast = autocast_dtype(cfg.mixed_precision, self.device, torch.float32)
         torch.manual_seed(seed)
         models = load_models(cfg, policy, self.device, torch.float32)
         self.model = self.run_policy = models.policy.to(self.device).train()
         self.reference = models.reference
         self.critic = None if models.critic is None else models.critic.to(self.device)
-        self._optimizers = {"policy": torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
-                                                        weight_decay=cfg.weight_decay)}
+        self._optimizers = {"policy": adamw(self.model.parameters(), cfg.lr, cfg.weight_decay)}
         if self.critic is not None:
-            self._optimizers["critic"] = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr,
-                                                           weight_decay=cfg.weight_decay)
+            self._optimizers["critic"] = adamw(self.critic.parameters(), cfg.critic_lr, cfg.weight_decay)
         self._accumulate = cfg.batch_size // cfg.minibatches // cfg.micro_batch  # micro-batches per step
         self._micro_steps = dict.fromkeys(self._optimizers, 0)
 

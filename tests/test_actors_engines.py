@@ -4,13 +4,17 @@ in-place weight updates, and updates in flight (between two engine steps) with p
 versions."""
 
 import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.engines import make_engine
+from actors.engines import make_engine, vllm_settings
 from actors.engines.hf_engine import HFEngine
 from actors.tasks import examples
 from async_rlhf.config import GeneratorConfig
@@ -268,3 +272,46 @@ def test_weights_go_straight_into_the_vllm_workers(tiny_actor_model, prompts, in
     finally:
         sender.close()
         engine.close()
+
+
+def test_vllm_settings_resolve_auto_per_device():
+    auto = GeneratorConfig()
+    assert vllm_settings(auto, "cpu") == {"dtype": "float32", "gpu_memory_utilization": 0.3, "enforce_eager": True}
+    assert vllm_settings(auto, "cpu", model_dtype="bfloat16")["dtype"] == "bfloat16"  # the training dtype
+    assert vllm_settings(auto, "cuda:0", model_dtype="float32") == {
+        "dtype": "bfloat16", "gpu_memory_utilization": 0.5, "enforce_eager": False}
+    set_ = GeneratorConfig(dtype="float32", gpu_memory_utilization=0.85, enforce_eager=True)
+    assert vllm_settings(set_, "cuda") == {"dtype": "float32", "gpu_memory_utilization": 0.85, "enforce_eager": True}
+
+
+_BF16_ENGINE = """
+import json, sys
+if __name__ == "__main__":
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from actors.engines import make_engine
+    from async_rlhf.config import GeneratorConfig
+    from async_rlhf.types import Prompt
+    path = sys.argv[1]
+    engine = make_engine(GeneratorConfig(dtype="bfloat16", gpu_memory_utilization=0.25, max_new_tokens=4), path)
+    config = engine.llm.llm_engine.vllm_config
+    tok = AutoTokenizer.from_pretrained(path)
+    groups = engine.generate([Prompt("p", tuple(tok("aaa")["input_ids"]), "aaa", "")], n=2)
+    engine.update_weights(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items(), 1)
+    print("RESULT", json.dumps({"dtype": str(config.model_config.dtype), "eager": config.model_config.enforce_eager,
+                                "memory": config.cache_config.gpu_memory_utilization,
+                                "samples": sum(len(g) for g in groups), "version": engine.policy_version}))
+    engine.close()
+"""
+
+
+@pytest.mark.slow
+def test_vllm_engine_takes_the_generator_dtype_and_memory_share(tiny_actor_model):
+    """generator.dtype=bfloat16 reaches vLLM (its own process: one engine per module here), which
+    samples and loads fp32 weights from the learner."""
+    done = subprocess.run([sys.executable, "-c", _BF16_ENGINE, str(tiny_actor_model)], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert line, (done.stdout + done.stderr)[-3000:]
+    assert json.loads(line[len("RESULT "):]) == {"dtype": "torch.bfloat16", "eager": True, "memory": 0.25,
+                                                 "samples": 2, "version": 1}

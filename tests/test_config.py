@@ -24,6 +24,15 @@ def test_yaml_and_overrides(tmp_path):
     assert cfg.learner.lr == 1e-5 and cfg.learner.zero_stage == 2
     assert cfg.generator.engine == "hf"
     assert cfg.queue.redis_url == "redis://h:1"
+    # every choice of learner.mixed_precision survives YAML as a string (YAML reads `off` as false)
+    for choice in ("auto", "bf16", "fp32"):
+        assert load_config(None, [f"learner.mixed_precision={choice}"]).learner.mixed_precision == choice
+
+
+def test_generator_resources_is_a_mapping_of_numbers():
+    cfg = load_config(overrides=["generator.resources={node_b: 1}"])
+    assert cfg.generator.resources == {"node_b": 1.0}
+    assert load_config().generator.resources == {}
 
 
 def test_ints_accepted_for_floats():
@@ -70,6 +79,12 @@ def test_rewards_list(tmp_path):
         ("generator.stop=[3]", "generator.stop[0] must be of type str, got 3"),
         ("generator.prompts_per_batch=8", "generator.prompts_per_batch is retired: generators stream"),
         ("learner=3", "learner. must be a mapping, got 3"),
+        ("generator.dtype=fp8", "generator.dtype must be one of 'auto', 'float32', 'bfloat16', 'float16'"),
+        ("generator.gpu_memory_utilization=1.5", "generator.gpu_memory_utilization must be auto or a fraction"),
+        ("generator.enforce_eager=maybe", "generator.enforce_eager must be of type bool, got 'maybe'"),
+        ("generator.resources=[1]", "generator.resources must be a mapping, got [1]"),
+        ("generator.resources={node_b: 0}", "generator.resources['node_b'] must be > 0, got 0.0"),
+        ("generator.resources={GPU: 1}", "generator.resources must be custom resources only: CPUs come"),
     ],
 )
 def test_bad_values_name_key_value_and_fix(override, message):
@@ -106,7 +121,7 @@ def test_cli_help_lists_commands(capsys):
 def test_cli_overrides_may_come_between_flags():
     from async_rlhf.launch.cli import config_from_args, parse
 
-    args, _ = parse(["train", "learner.steps=3", "--max-staleness", "1", "generator.count=2"])
+    args, _ = parse(["train", "learner.steps=3", "--max-staleness", "1", "placement=manual", "generator.count=2"])
     cfg = config_from_args(args)
     assert (cfg.learner.steps, cfg.max_staleness, cfg.generator.count) == (3, 1, 2)
     with pytest.raises(SystemExit):

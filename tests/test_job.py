@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 # A tiny job: groups of 2 samples, up to 8 sequences in the engine, 8 trajectories per learner step.
 TINY = [
+    "placement=manual",  # one generator, one learner rank of one thread: start-up bound jobs
     "generator.max_inflight=8", "generator.group_size=2", "generator.max_new_tokens=8",
     "learner.batch_size=8", "learner.micro_batch=4", "learner.wait_s=120",
 ]
@@ -245,43 +247,70 @@ def _cli_result(tmp_path: Path, *args: str, timeout_s: float = 180) -> subproces
                           text=True, env=_env(tmp_path), timeout=timeout_s)
 
 
-def test_add_generators_on_this_machine_and_on_a_second_node(tmp_path, tiny_actor_model):
-    from ray_nodes import start_worker_node
+def test_a_job_across_two_hosts_trains_grows_and_heals_on_the_second(tmp_path, tiny_actor_model,
+                                                                     monkeypatch):
+    """Two hosts: this one (Ray head, launcher, Redis, learner) and a network namespace with an
+    address of its own (a Ray worker node with node_b, the generators). The job trains with its
+    weights sent over the veth, takes an add-generators request for node_b (and refuses one no
+    node can host), replaces the second host's killed generator there, and loses nothing."""
+    from ray_nodes import NetnsUnavailable, second_host, start_head, start_node_in
 
-    name = "grow"
-    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "max_staleness=1")
-    with _interrupted_on_failure(proc):
+    token = tmp_path / "ray_token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # for the job and the CLI commands
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    with contextlib.ExitStack() as stack:
+        try:
+            pair = stack.enter_context(second_host())
+        except NetnsUnavailable as e:
+            pytest.skip(f"no second host: {e} (needs root for `ip netns`)")
+        head, address = start_head(pair.head_ip, token, num_cpus=4)  # the learner's
+        stack.callback(head.stop)
+        stack.callback(start_node_in(pair, address, token, num_cpus=2, resources={"node_b": 2}).stop)
+        name = "twohosts"
+        proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "max_staleness=1",
+                      "learner.lr=1e-3", "generator.resources={node_b: 1}", "--ray-address", address)
+        stack.enter_context(_interrupted_on_failure(proc))
+        log = proc.log_path
         _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 1, 300, "the first learner step")
-        # no node has node_b yet: refused at once, naming what was asked and what there is
-        start = time.monotonic()
-        refused = _cli_result(tmp_path, "add-generators", "--job", name, "--resources", '{"node_b": 1}')
-        assert refused.returncode == 1 and time.monotonic() - start < 30, refused.stdout + refused.stderr
-        assert "refused: no node has {'CPU': 1.0, 'node_b': 1}" in refused.stdout
-        # on this machine: the local cluster has room, and the new generator starts and trains
-        local = _cli_result(tmp_path, "add-generators", "--job", name, "--wait-s", "150")
-        assert local.returncode == 0 and "ready gen-1" in local.stdout, local.stdout + local.stderr
-        info = json.loads(next((tmp_path / "home" / "jobs").glob(f"{name}.json")).read_text())
-        with start_worker_node(info["ray_address"], info["ray_token_path"], num_cpus=1,
-                                       resources={"node_b": 1}):
-            remote = _cli_result(tmp_path, "add-generators", "--job", name, "--resources",
-                                 '{"node_b": 1}', "--wait-s", "150")
-            assert "ready gen-2" in remote.stdout, remote.stdout + remote.stderr
+        text = log.read_text()
+        assert f"network: Redis at {pair.head_ip} (this node's address in the Ray cluster" in text
+        assert f"generator gen-0 ready on {pair.node_ip}" in text
+        assert re.search(rf"weight-sync epoch \d+ at {re.escape(pair.head_ip)}:\d+: learner \+ \['gen-0'\]", text)
 
-            def trained_from(*gids):
-                path = tmp_path / name / "metrics.jsonl"
-                rows = [json.loads(line) for line in path.read_text().splitlines()]
-                return all(any(r.get("trained_by_generator", {}).get(g, 0) > 0 for r in rows)
-                           for g in gids)
+        refused = _cli_result(tmp_path, "add-generators", "--job", name, "--resources", '{"node_c": 1}')
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert "refused: no node has {'CPU': 1.0, 'node_c': 1}" in refused.stdout
+        added = _cli_result(tmp_path, "add-generators", "--job", name, "--resources", '{"node_b": 1}',
+                            "--wait-s", "150")
+        assert "ready gen-1" in added.stdout, added.stdout + added.stderr
+        _wait_for(proc, lambda: _trained_from(tmp_path, name, "gen-0", "gen-1"), 300,
+                  "gen-0's and gen-1's groups to be trained on")
+        status = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))
+        gens = {g["generator_id"]: g for g in status["generators"]}
+        assert gens["gen-0"]["node_id"] == gens["gen-1"]["node_id"]
+        assert gens["gen-0"]["policy_version"] > 0  # weights came over the veth
 
-            _wait_for(proc, lambda: trained_from("gen-1", "gen-2"), 300,
-                      "gen-1's and gen-2's groups to be trained on")
-            status = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))
-            nodes = {g["generator_id"]: g["node_id"] for g in status["generators"]}
-            assert nodes["gen-2"] != nodes["gen-0"] == nodes["gen-1"]
-            _cli(tmp_path, "stop", "--job", name)
-            metrics, summary = _finish(tmp_path, name, proc)
-    assert metrics[-1]["step"] < 100000  # it stopped on request
+        os.kill(gens["gen-0"]["pid"], signal.SIGKILL)
+        back = f"generator gen-0 ready on {pair.node_ip}"
+        _wait_for(proc, lambda: log.read_text().count(back) == 2, 240, "gen-0 back on the second host")
+        steps = _steps_done(tmp_path, name)
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= max(steps + 3, 24), 600,
+                  "steps after the replacement")
+        _cli(tmp_path, "stop", "--job", name)
+        metrics, summary = _finish(tmp_path, name, proc)
     _check_accounting(summary)
+    assert metrics[-1]["generators"] == 2
+    rewards = [m["reward_mean"] for m in metrics]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
+
+
+def _trained_from(tmp_path: Path, name: str, *gids: str) -> bool:
+    path = tmp_path / name / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return all(any(r.get("trained_by_generator", {}).get(g, 0) > 0 for r in rows) for g in gids)
 
 
 FLAKY_REWARD = """

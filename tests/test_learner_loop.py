@@ -27,7 +27,7 @@ from learners.models import has_dropout
 
 def test_fixed_batch_objective_decreases_and_metrics_are_complete(make_learner):
     fixed = random_groups(2, vocab=VOCAB, seed=3)
-    learner, queue, publisher = make_learner(temperature=0.7)
+    learner, queue, publisher = make_learner(temperature=0.7, mixed_precision="fp32")
     be = learner.backend
     batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(fixed)])
     args = (batch.input_ids, batch.attention_mask, batch.positions)
@@ -59,6 +59,53 @@ def test_fixed_batch_objective_decreases_and_metrics_are_complete(make_learner):
     assert metrics.samples == 8 and metrics.tokens == 64 and math.isfinite(metrics.grad_norm)
     assert metrics.groups == 2 and metrics.group_size_min == 4 and metrics.groups_singleton == 0
     assert metrics.counts["groups"] == 8 and metrics.counts["samples"] == 32
+
+
+def test_mixed_precision_computes_in_bf16_and_keeps_float32_weights(make_learner):
+    """learner.mixed_precision=bf16: forward passes under bf16 autocast (log-probs close to the
+    float32 ones, not equal), while weights, their gradients and AdamW's state stay float32."""
+    fixed = random_groups(2, vocab=VOCAB, seed=3)
+    learner, queue, _ = make_learner(mixed_precision="bf16")
+    be = learner.backend
+    batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(fixed)])
+    args = (batch.input_ids, batch.attention_mask, batch.positions)
+    with torch.no_grad():
+        mixed = be.logprobs(*args)[0]
+        be.autocast = None
+        exact = be.logprobs(*args)[0]
+        be.autocast = torch.bfloat16
+    assert mixed.dtype == torch.float32 and not torch.equal(mixed, exact)
+    assert (mixed - exact).abs().max() < 0.05
+    queue.put([g.with_version(0) for g in fixed])
+    metrics = learner.step()
+    assert math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm)
+    assert {p.dtype for p in be.model.parameters()} == {torch.float32}
+    states = be._optimizers["policy"].state.values()
+    assert states and {s["exp_avg"].dtype for s in states} == {torch.float32}
+
+
+def test_micro_batches_of_like_length_trimmed_of_padding_give_the_whole_batch_gradient(make_learner):
+    """The learner sorts a rank's rows by length and cuts each micro-batch to its longest row
+    (Batch.trimmed): in float32 the summed gradient is that of the whole padded batch's loss."""
+    members = [t for g in random_groups(2, vocab=VOCAB, seed=6) for t in g.members]
+    members = [dataclasses.replace(t, prompt_ids=t.prompt_ids[:2 + i % 5], response_ids=t.response_ids[:1 + 3 * i % 8],
+                                   behavior_logprobs=t.behavior_logprobs[:1 + 3 * i % 8])
+               for i, t in enumerate(members)]  # prompts of 2-6 tokens, responses of 1-8
+    groups = [Group(tuple(members[:4])), Group(tuple(members[4:]))]
+    learner, queue, _ = make_learner(groups, mixed_precision="fp32", micro_batch=2)
+    be = learner.backend
+    batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(groups)])
+    logp = be.logprobs(batch.input_ids, batch.attention_mask, batch.positions)[0]
+    adv = grpo_advantages(batch.rewards, batch.groups)[:, None] * batch.mask
+    loss = policy_loss(logp, logp.detach(), batch.behavior_logp, adv, batch.mask,
+                       num_tokens=float(batch.mask.sum()), num_seqs=8.0)[0]
+    want = torch.autograd.grad(loss, list(be.model.parameters()))
+    summed = []  # the gradient accumulated over the micro-batches, in place of AdamW's step
+    be.step = lambda critic=False: summed.append([p.grad.clone() for p in be.model.parameters()]) or 1.0
+    learner.step()
+    assert len(summed) == 4  # 8 rows in micro-batches of 2
+    for got, ref in zip(summed[-1], want):
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-7), float((got - ref).abs().max())
 
 
 def with_member(group: Group, index: int, **changes) -> Group:

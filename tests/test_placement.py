@@ -55,13 +55,14 @@ def test_bad_costs_and_too_few_devices_say_the_fix():
         choose_placement(3, 1.0, 1.0, shared=False, gen_unit=3)
 
 
-def test_apply_placement_sets_counts_ranks_and_threads():
-    cfg = load_config(None, ["placement=auto", "learner.batch_size=64", "learner.micro_batch=16",
-                             "generator.count=3", "generator.threads=2", "learner.threads=2"])
+def test_apply_placement_sets_counts_ranks_and_threads(tmp_path):
+    cfg = load_config(None, ["learner.batch_size=64", "learner.micro_batch=16"])  # auto: the default
     placed, line = apply_placement(cfg, devices=2, gpu=False)
     assert (placed.generator.count, placed.generator.threads, placed.generator.nice) == (1, 1, 19)
     assert (placed.learner.ranks, placed.learner.threads) == (2, 1)
     assert line.startswith("placement auto: 1 generator(s) x 1 thread(s) at nice 19, learner 2 rank(s) x 1 thread(s)")
+    (tmp_path / "config.yaml").write_text(placed.to_yaml())  # saved as OUT/config.yaml, it reruns as it ran
+    assert load_config(tmp_path / "config.yaml") == placed
     # 3 cores, 4 micro-batches: 2 ranks (the largest divisor that fits), 1 thread each
     placed, _ = apply_placement(cfg, devices=3, gpu=False)
     assert (placed.learner.ranks, placed.learner.threads) == (2, 1)
@@ -87,8 +88,18 @@ def test_apply_placement_gpu_and_manual():
                                "learner.backend=torch"])
     with pytest.raises(ValueError, match="learner.backend=torch trains on one: set learner.backend=deepspeed"):
         apply_placement(torch, devices=8, gpu=True)
-    manual = load_config(None, ["generator.count=3"])
+    manual = load_config(None, ["placement=manual", "generator.count=3"])
     assert apply_placement(manual, devices=2, gpu=False) == (manual, "")
+
+
+def test_apply_placement_gives_the_evaluator_its_own_gpus_and_none_on_cpu():
+    base = ["placement=auto", "stage_costs.generator_s=3", "stage_costs.learner_s=1", "learner.batch_size=64",
+            "learner.micro_batch=16", "eval.every=5", "generator.tensor_parallel=2"]
+    placed, line = apply_placement(load_config(None, base), devices=10, gpu=True)
+    # 2 GPUs for the evaluator's engine, 8 split: 3 engines of 2 for generation, 2 learner ranks
+    assert (placed.generator.count, placed.learner.ranks) == (3, 2) and "evaluator 2 GPU(s)" in line
+    placed, line = apply_placement(load_config(None, base[:-1]), devices=4, gpu=False)
+    assert placed.learner.ranks * placed.learner.threads == 4 and "evaluator" not in line
 
 
 def test_config_checks_placement_keys():
@@ -99,4 +110,8 @@ def test_config_checks_placement_keys():
     with pytest.raises(ConfigError, match="stage_costs.learner_s must be > 0, got 0"):
         load_config(None, ["stage_costs.learner_s=0"])
     with pytest.raises(ConfigError, match="learner.ranks must be 1 with learner.backend=torch"):
-        load_config(None, ["learner.backend=torch", "learner.ranks=2", "learner.batch_size=16"])
+        load_config(None, ["placement=manual", "learner.backend=torch", "learner.ranks=2", "learner.batch_size=16"])
+    # what placement: auto sizes is not also given by hand
+    with pytest.raises(ConfigError, match=r"generator.count must be left out with placement: auto, which sizes "
+                                          r"it \(or set placement: manual\), got 2"):
+        load_config(None, ["generator.count=2"])

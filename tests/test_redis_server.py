@@ -32,6 +32,21 @@ def test_url_password_and_stop(tmp_path):
     assert not server.running
 
 
+def test_listens_on_the_host_it_is_given_and_only_there(tmp_path):
+    """A job that spans nodes binds its node's address (here 127.0.0.2, a second loopback
+    address): the url names it, the password is still required, and 127.0.0.1 is not served."""
+    with EmbeddedRedis(tmp_path / "data", host="127.0.0.2") as server:
+        assert server.url == f"redis://:{server.password}@127.0.0.2:{server.port}/0"
+        client = redis.Redis.from_url(server.url)
+        assert client.ping()
+        client.close()
+        for host, error in (("127.0.0.2", redis.AuthenticationError), ("127.0.0.1", redis.ConnectionError)):
+            anonymous = redis.Redis(host=host, port=server.port, retry=Retry(NoBackoff(), 0))
+            with pytest.raises(error):
+                anonymous.ping()
+            anonymous.close()
+
+
 def test_relative_data_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with EmbeddedRedis("runs/job/redis") as server:  # as the launcher passes OUT/redis

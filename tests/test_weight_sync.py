@@ -6,9 +6,11 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from async_rlhf.weight_sync import UpdateMeta, WeightBroadcaster, WeightReceiver
 
@@ -28,7 +30,7 @@ def _summary(named_tensors):
 
 
 def _member(name, commands, out, acks, die_at=None):
-    """Follow commands: ("join", address, rank), ("update", meta), None to end. Reports what
+    """Follow commands: ("join", address, rank[, host]), ("update", meta), None to end. Reports what
     arrives on `out` and acks each update (the RPC's return). At version `die_at` it takes the
     first bucket and is SIGKILLed mid-update."""
     receiver = None
@@ -67,13 +69,16 @@ class _Members:
         for p in self.procs.values():
             p.start()
 
-    def open(self, sender, names):
+    def notify(self, names):
         def notify(meta):
             for name in names:
                 self.queues[name].put(("update", meta))
             return lambda: self._wait_acks(set(names))
 
-        address = sender.open_epoch(len(names) + 1, notify)
+        return notify
+
+    def open(self, sender, names):
+        address = sender.open_epoch(len(names) + 1, self.notify(names))
         for rank, name in enumerate(names, start=1):
             self.queues[name].put(("join", address, rank))
         return address
@@ -191,3 +196,39 @@ def test_publish_without_generators_consumes_the_iterator():
     seen = []
     sender.publish(((n, t) for n, t in _weights(1) if not seen.append(n)), version=1)
     assert len(seen) == 4
+
+
+def _outsider(host, port, epoch, results):
+    """Someone who reaches the store and knows the epoch, but was not given its key, tries to
+    join as rank 1 under the epoch's plain prefix and take the weights."""
+    store = dist.TCPStore(host, port, 2, is_master=False, timeout=timedelta(seconds=10))
+    try:
+        group = dist.ProcessGroupGloo(dist.PrefixStore(f"weights/epoch{epoch}", store), 1, 2,
+                                      timedelta(seconds=5))
+        data = torch.empty(16, dtype=torch.uint8)
+        group.broadcast([data], dist.BroadcastOptions()).wait()
+        results.put(("joined", data.tolist()))
+    except RuntimeError as e:
+        results.put(("refused", str(e)[:200]))
+
+
+@pytest.mark.parametrize("members", [[("a", None)]], indirect=True)
+def test_only_the_epochs_members_join_and_each_binds_its_own_address(members):
+    """The store listens beyond loopback on a node that other nodes reach: an outsider who knows
+    the address and epoch number does not get into the group, while a member given the epoch's
+    key joins, its gloo device bound to its own address (127.0.0.3; the learner's 127.0.0.2)."""
+    sender = WeightBroadcaster(host="127.0.0.2", timeout_s=60)
+    sender.publish(_weights(1), version=1)
+    address = sender.open_epoch(2, members.notify(["a"]))
+    assert address.host == "127.0.0.2" and len(address.key) == 32
+    out = mp.get_context("spawn").Queue()
+    outsider = mp.get_context("spawn").Process(target=_outsider, args=(address.host, address.port, address.epoch, out))
+    outsider.start()
+    verdict, detail = out.get(timeout=60)
+    assert verdict == "refused", detail
+    outsider.join(30)
+
+    members.queues["a"].put(("join", address, 1, "127.0.0.3"))
+    assert members.get(1) == [("a", 1, 1, _summary(_weights(1)))]
+    assert sender.failures == 0
+    sender.close()

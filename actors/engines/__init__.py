@@ -8,10 +8,21 @@ from async_rlhf.config import GeneratorConfig
 from async_rlhf.protocols import GenerationEngine
 
 
+def vllm_settings(cfg: GeneratorConfig, device: str, model_dtype: str = "float32") -> dict:
+    """generator.dtype, gpu_memory_utilization and enforce_eager with `auto` resolved for
+    `device` ("cpu" or "cuda[:i]"), as VLLMEngine takes them; see their config comments."""
+    gpu = device.startswith("cuda")
+    auto = {"dtype": "bfloat16" if gpu else model_dtype,
+            "gpu_memory_utilization": 0.5 if gpu else 0.3, "enforce_eager": not gpu}
+    return {key: default if getattr(cfg, key) == "auto" else getattr(cfg, key) for key, default in auto.items()}
+
+
 def make_engine(
-    cfg: GeneratorConfig, model_path: str | Path, *, seed: int = 0, device: str | None = None
+    cfg: GeneratorConfig, model_path: str | Path, *, seed: int = 0, device: str | None = None,
+    model_dtype: str = "float32",
 ) -> GenerationEngine:
-    """The engine `cfg.engine` names, set up with cfg's sampling settings and threads."""
+    """The engine `cfg.engine` names, set up with cfg's sampling settings and threads; a vLLM
+    engine also with vllm_settings (`model_dtype`: the training dtype, model.dtype)."""
     common = dict(
         max_new_tokens=cfg.max_new_tokens,
         stop=cfg.stop,
@@ -22,9 +33,13 @@ def make_engine(
         device=device,
     )
     if cfg.engine == "vllm":
+        import torch
+
         from actors.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, tensor_parallel=cfg.tensor_parallel, **common)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return VLLMEngine(model_path, tensor_parallel=cfg.tensor_parallel,
+                          **vllm_settings(cfg, device, model_dtype), **{**common, "device": device})
     if cfg.engine == "hf":
         from actors.engines.hf_engine import HFEngine
 

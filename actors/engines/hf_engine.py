@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from async_rlhf.procs import LOOPBACK
 from async_rlhf.types import Prompt, Sample, VersionSpans
 from async_rlhf.weight_sync import StagedReceiver, SyncAddress, UpdateMeta
 
@@ -173,8 +174,8 @@ class HFEngine:
 
     sync_ranks = 1  # this process receives the weight broadcasts
 
-    def join_weight_sync(self, address: SyncAddress, rank: int) -> None:
-        self._sync.join(address, rank)
+    def join_weight_sync(self, address: SyncAddress, rank: int, host: str = LOOPBACK) -> None:
+        self._sync.join(address, rank, host)
 
     def receive_weights(self, meta: UpdateMeta, load: bool, keep: Iterable[int] = ()) -> int:
         return self._sync.receive(meta, load, keep)

@@ -62,6 +62,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from async_rlhf.procs import LOOPBACK
 from async_rlhf.types import Prompt, Sample
 from async_rlhf.weight_sync import StagedReceiver, SyncAddress, UpdateMeta
 
@@ -103,10 +104,10 @@ class WeightReloadExtension:
     """Mixed into vLLM's worker class (worker_extension_cls); runs inside each worker, where the
     model is: each worker is a weight-sync member of rank (the engine's first rank + its own)."""
 
-    def join_weight_sync(self, address: dict, rank: int) -> None:
+    def join_weight_sync(self, address: dict, rank: int, host: str) -> None:
         if not hasattr(self, "weight_sync_receiver"):
             self.weight_sync_receiver = StagedReceiver(self.reload_named_weights)
-        self.weight_sync_receiver.join(SyncAddress(**address), rank + self.rank)  # type: ignore[attr-defined]
+        self.weight_sync_receiver.join(SyncAddress(**address), rank + self.rank, host)  # type: ignore[attr-defined]
 
     def receive_weights(self, meta: dict, load: bool, keep: list[int]) -> int:
         return self.weight_sync_receiver.receive(UpdateMeta(**meta), load, keep)
@@ -135,6 +136,9 @@ class VLLMEngine:
         seed: int = 0,
         device: str | None = None,
         tensor_parallel: int = 1,
+        dtype: str = "float32",
+        gpu_memory_utilization: float = 0.3,
+        enforce_eager: bool = True,
         in_process: bool | None = None,
     ):
         """`in_process`: run vLLM's engine core in this process (default on CPU: a ~3 s start
@@ -172,9 +176,9 @@ class VLLMEngine:
         self.sync_ranks = tensor_parallel  # weight-sync members: every worker
         self.llm = LLM(
             model=str(model_path),
-            dtype="float32",  # bf16 log-probs differ from the learner's by up to 0.5 here
-            enforce_eager=True,
-            gpu_memory_utilization=0.3 if self.device == "cpu" else 0.5,
+            dtype=dtype,  # bf16 log-probs differ from an fp32 learner's by up to 0.5 here
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WeightReloadExtension",
@@ -268,10 +272,10 @@ class VLLMEngine:
         return Sample(response_ids=ids, behavior_logprobs=logprobs, finished=finished,
                       version_spans=spans, text=completion.text)
 
-    def join_weight_sync(self, address: SyncAddress, rank: int) -> None:
-        """Every worker joins the epoch, as ranks rank .. rank + sync_ranks - 1 (blocks until the
-        group forms)."""
-        self._rpc("join_weight_sync", dataclasses.asdict(address), rank)
+    def join_weight_sync(self, address: SyncAddress, rank: int, host: str = LOOPBACK) -> None:
+        """Every worker joins the epoch, as ranks rank .. rank + sync_ranks - 1, binding `host`,
+        their node's address (blocks until the group forms)."""
+        self._rpc("join_weight_sync", dataclasses.asdict(address), rank, host)
 
     def receive_weights(self, meta: UpdateMeta, load: bool, keep: Iterable[int] = ()) -> int:
         """Take the update the learner is broadcasting now, in every worker; `load`: load it at

@@ -141,12 +141,12 @@ class _ProcessSession:
 
 # Run first in the child, then exec the real command: SIGTERM on the death of the thread that
 # started it (PR_SET_PDEATHSIG survives exec). Not a preexec_fn: the driver has threads by then.
-def _spawn(cmd: list[str], log_path: Path, token_path: Path) -> _ProcessSession:
+def _spawn(cmd: list[str], log_path: Path, env: dict[str, str]) -> _ProcessSession:
     # Own session so stop() finds every descendant; parent-death signal so a launcher that is
     # SIGKILLed does not leave an orphaned cluster behind.
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            die_with_parent(cmd), env=ray_env(token_path),
+            die_with_parent(cmd), env=env,
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     return _ProcessSession(proc, log_path)
@@ -250,7 +250,7 @@ def launch_local_cluster(num_cpus: int, resources: dict[str, float] | None = Non
         # Defaults are fixed ports (10001, 52365): a second cluster on the machine would clash.
         f"--ray-client-server-port={free_port()}", "--dashboard-agent-listen-port=0",
     ]
-    group = _spawn(cmd, temp_dir.with_suffix(".log"), token_path)
+    group = _spawn(cmd, temp_dir.with_suffix(".log"), ray_env(token_path))
     return LocalCluster(group, address=f"{LOOPBACK}:{port}", temp_dir=temp_dir)
 
 

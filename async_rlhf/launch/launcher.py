@@ -38,7 +38,7 @@ from async_rlhf.launch.preflight import preflight
 from async_rlhf.launch.stream import JobStream
 from async_rlhf.messages import (EvalResult, GeneratorStats, JobSnapshot, JobStatus, JobSummary, LearnerStatus,
                                  StepMetrics)
-from async_rlhf.procs import stop_on_signals
+from async_rlhf.procs import LOOPBACK, stop_on_signals
 
 log = logging.getLogger("async_rlhf")
 
@@ -85,6 +85,7 @@ class Job:
         self.coordinator = None
         self.stream: JobStream | None = None
         self.learners: list[Any] = []
+        self.learner_starts: list[Any] = []  # the ranks' start calls (refs)
         self.evaluator = None  # the EvalWorker actor when eval.every > 0
         self.metrics: MetricsLog | None = None  # opened once the generators are up
         self.startup: dict[str, float] = {}  # phase -> seconds since the command started
@@ -135,26 +136,42 @@ class Job:
 
     def _start_services(self, stack: ExitStack) -> None:
         """The model directory, Redis (embedded unless queue.redis_url) and the experience
-        stream, while the Ray head starts (it takes longest); then connect to Ray."""
+        stream, while the Ray head starts (it takes longest); then connect to Ray. Joining a
+        cluster (--ray-address), Ray comes first: Redis binds the address Ray reports for this
+        node, which the other nodes reach."""
         from actors.model_init import ensure_model
         from buffer.redis_server import EmbeddedRedis
 
         cfg = self.cfg
         self._launch_head()
         stack.callback(self._shutdown_ray)
+        if self.ray_address:
+            self._connect_ray()
         ensure_model(cfg.model.path, cfg.model.preset, seed=cfg.seed, tokenizer=cfg.model.tokenizer)
         self._mark("model")
+        host = self.ray.util.get_node_ip_address() if self.ray else LOOPBACK
         server = None  # the embedded redis-server, unless queue.redis_url
         if not cfg.queue.redis_url:
-            server = stack.enter_context(EmbeddedRedis(self.out / "redis", durable=cfg.queue.durable))
+            server = stack.enter_context(EmbeddedRedis(self.out / "redis", host=host, durable=cfg.queue.durable))
         self.redis_url = cfg.queue.redis_url or server.url
         self.stream = JobStream(cfg, self.redis_url, server)
         self.carried = self.stream.check_fresh(self.resume)
         self._mark("redis")
         if self.cluster is not None:
             self.cluster.wait_ready()
-        self._connect_ray()
+            self._connect_ray()
         self._mark("ray")
+        address = self.ray_address or self.cluster.address
+        cluster.write_job_info(self.cfg.job, {
+            "ray_address": address,
+            "ray_token_path": None if self.cluster is None else str(self.cluster.token_path),
+            "redis_url": self.redis_url, "out": str(self.out.resolve()), "namespace": self.cfg.job,
+            "pid": os.getpid(), "host": socket.gethostname(), "node_address": host,
+        })
+        where = ("loopback: the job's own single-node Ray cluster" if self.cluster is not None
+                 else f"this node's address in the Ray cluster at {address}")
+        print(f"network: Redis at {host} ({where}); the learner and the weight sync listen on their "
+              "own nodes' addresses", flush=True)
         stop_on_signals()  # after ray.init, which sets its own
 
     def _launch_head(self) -> None:
@@ -169,15 +186,10 @@ class Job:
     def _connect_ray(self) -> None:
         import ray
 
-        address = self.ray_address or self.cluster.address
         token_path = None if self.cluster is None else str(self.cluster.token_path)
-        cluster.connect(address, namespace=self.cfg.job, token_path=token_path)
+        cluster.connect(self.ray_address or self.cluster.address, namespace=self.cfg.job,
+                        token_path=token_path)
         self.ray = ray
-        cluster.write_job_info(self.cfg.job, {
-            "ray_address": address, "ray_token_path": token_path, "redis_url": self.redis_url,
-            "out": str(self.out.resolve()), "namespace": self.cfg.job,
-            "pid": os.getpid(), "host": socket.gethostname(),
-        })
 
     def _shutdown_ray(self) -> None:
         cluster.remove_job_info(self.cfg.job)
@@ -200,10 +212,11 @@ class Job:
         if cfg.eval.every:
             from async_rlhf.launch.roles import EvalWorker
 
-            self.evaluator = self.ray.remote(EvalWorker).options(
-                num_cpus=1, max_concurrency=4, name="evaluator").remote(cfg, fresh=not self.resume)
+            self.evaluator = self.ray.remote(EvalWorker).options(  # on GPU, GPUs of its own
+                num_cpus=1, num_gpus=cfg.generator.tensor_parallel if _gpu_count() else 0, max_concurrency=4,
+                name="evaluator").remote(cfg, fresh=not self.resume)
         for _ in range(cfg.generator.count):
-            self._add_generator({})
+            self._add_generator(dict(cfg.generator.resources))
         version = self._learners_ready()
         if version != self.start_version:
             raise RuntimeError(f"the learner resumed at version {version}, but the checkpoint "
@@ -211,20 +224,22 @@ class Job:
         self._mark("learner")
 
     def _start_learners(self, resume: bool) -> None:
-        """Start the learner ranks (from the newest checkpoint when `resume`)."""
-        from async_rlhf.procs import free_port
+        """Start the learner ranks (from the newest checkpoint when `resume`), meeting at rank
+        0's node address, without waiting for them (Ray passes them rank 0's answer)."""
         from async_rlhf.launch.roles import LearnerWorker
 
         ray, cfg = self.ray, self.cfg
         # max_concurrency 2: open_epoch runs while a step waits for the samples it will bring
         worker = ray.remote(LearnerWorker).options(num_cpus=cfg.learner.threads, max_concurrency=2,
                                                    num_gpus=1 if _gpu_count() else 0)
-        master = ("127.0.0.1", free_port())
-        self.learners = [worker.remote(cfg, rank, master, self.redis_url, resume)
+        self.learners = [worker.remote(cfg, rank, self.redis_url, resume)
                          for rank in range(cfg.learner.ranks)]
+        master = self.learners[0].master_address.remote()
+        self.learner_starts = [learner.start.remote(master) for learner in self.learners]
 
     def _learners_ready(self) -> int:
         """Wait for the learner ranks to be up; their version."""
+        self.ray.get(self.learner_starts)
         self.learner_pid = self.ray.get(self.learners[0].pid.remote())
         return self.ray.get(self.learners[0].get_version.remote())
 
@@ -305,6 +320,7 @@ class Job:
             request_id = self.requested.pop(gid, (None,))[0]
             try:
                 ray.get(ref)
+                node = ray.get(handle.node_address.remote())
             except ray.exceptions.RayError as e:
                 print(f"generator {gid} failed to start: {e}", file=sys.stderr)
                 if request_id is not None:
@@ -313,7 +329,7 @@ class Job:
             self.generators[gid] = handle
             if request_id is not None:
                 ray.get(self.coordinator.set_placement.remote(request_id, f"ready {gid}"))
-            print(f"generator {gid} ready")
+            print(f"generator {gid} ready on {node}")
         if not self.generators and not self.starting and not self.due_restarts:
             raise RuntimeError("no generator is running: none could start, or every one died with "
                                "generator.max_restarts spent (see the errors above)")
@@ -333,7 +349,8 @@ class Job:
         firsts = [1 + sum(sizes[:i]) for i in range(len(gens))]
         if self._from_live(gens, [h.join_epoch.remote(address, r) for (_, h), r in zip(gens, firsts)]) is None:
             return self._new_epoch()
-        log.info("weight-sync epoch %d: learner + %s", address.epoch, [g for g, _ in gens])
+        log.info("weight-sync epoch %d at %s:%d: learner + %s", address.epoch, address.host, address.port,
+                 [g for g, _ in gens])
 
     def _from_live(self, gens: list, refs: list) -> list | None:
         """The calls' results, or None after losing the generators that died since the last tick

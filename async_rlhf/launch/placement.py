@@ -79,12 +79,14 @@ def choose_placement(devices: int, gen_s: float, learn_s: float, *, shared: bool
 
 def apply_placement(cfg: Config, devices: int, gpu: bool) -> tuple[Config, str]:
     """`cfg` with generator.count/threads and learner.ranks/threads set by the rule (unchanged
-    unless cfg.placement is auto), and a line saying what was chosen and why."""
+    unless cfg.placement is auto), and a line saying what was chosen and why. The config returned
+    says placement: manual, with those counts: saved (OUT/config.yaml), it reruns as it ran."""
     if cfg.placement != "auto":
         return cfg, ""
     g, learner = cfg.generator, cfg.learner
     unit = g.tensor_parallel if gpu else 1
-    p = choose_placement(devices, cfg.stage_costs.generator_s, cfg.stage_costs.learner_s,
+    evaluator = unit if gpu and cfg.eval.every else 0  # its engine's own GPUs; on CPU it shares
+    p = choose_placement(devices - evaluator, cfg.stage_costs.generator_s, cfg.stage_costs.learner_s,
                          shared=not gpu, gen_unit=unit)
     micro_batches = learner.batch_size // (learner.micro_batch * learner.minibatches)
     most = 1 if learner.backend == "torch" else p.learner_devices  # torch: one process
@@ -98,9 +100,11 @@ def apply_placement(cfg: Config, devices: int, gpu: bool) -> tuple[Config, str]:
                          f"has {micro_batches} micro-batches, which do not split over them: make "
                          f"learner.batch_size a multiple of learner.micro_batch x {p.learner_devices}")
     cfg = dataclasses.replace(
-        cfg, generator=dataclasses.replace(g, count=p.gen_devices // unit, threads=1, nice=g.nice if gpu else 19),
+        cfg, placement="manual",
+        generator=dataclasses.replace(g, count=p.gen_devices // unit, threads=1, nice=g.nice if gpu else 19),
         learner=dataclasses.replace(learner, ranks=ranks, threads=threads))
     chosen = (f"placement auto: {cfg.generator.count} generator(s) x {unit} "
               f"{'GPU' if gpu else 'thread'}(s){'' if gpu else ' at nice 19'}, learner {ranks} rank(s) x "
-              f"{'1 GPU' if gpu else f'{threads} thread(s)'}; {p.why}")
+              f"{'1 GPU' if gpu else f'{threads} thread(s)'}"
+              f"{f', evaluator {evaluator} GPU(s)' if evaluator else ''}; {p.why}")
     return cfg, chosen

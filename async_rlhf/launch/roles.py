@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -172,7 +173,7 @@ class GeneratorWorker:
         def join() -> None:
             with self._update_ready:
                 self._staged.clear()
-            self.engine.join_weight_sync(address, rank)
+            self.engine.join_weight_sync(address, rank, node_address())
 
         _background(join, f"{self.generator_id}: joining weight-sync epoch {address.epoch}")
 
@@ -208,6 +209,9 @@ class GeneratorWorker:
             if pick is not None:  # blocks until the engine loop's safe point: the next step
                 self.generator.apply_weights(lambda: self.engine.load_staged(pick))  # or an empty engine
 
+    def node_address(self) -> str:
+        return node_address()
+
     def stats(self) -> GeneratorStats:
         import ray
 
@@ -222,6 +226,15 @@ class GeneratorWorker:
         for t in self._threads:
             t.join(60)
         return self.stats()
+
+
+def node_address() -> str:
+    """This process's node address as Ray reports it: 127.0.0.1 in the job's own loopback
+    cluster, the node's own address in a cluster that spans nodes. What a part advertises or
+    binds for other parts to reach."""
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 def _background(fn, what: str) -> None:
@@ -239,11 +252,12 @@ def _background(fn, what: str) -> None:
 class EvalWorker:
     """Held-out evaluation on an engine of its own (actors.evaluate), off every critical path:
     its engine is a member of the weight-sync epochs as a generator's is, receives every version
-    staged (the newest and those due are kept) and evaluates versions 0, eval.every, 2 x eval.every ... in order as their weights
-    arrive; a fresh job's version 0 is the engine's initial weights (the model the learner
-    starts from), evaluated at once. Evaluations run one at a time; while one runs, due
-    versions wait (at most MAX_WAITING: beyond that the oldest is let go and counted in
-    `skipped`). `finish(v)` evaluates the last version too and returns what is left to take."""
+    staged (the newest and those due are kept) and evaluates versions 0, eval.every,
+    2 x eval.every ... in order as their weights arrive; a fresh job's version 0 is the engine's
+    initial weights (the model the learner starts from), evaluated at once. Evaluations run one
+    at a time; while one runs, due versions wait (at most MAX_WAITING: beyond that the oldest is
+    let go and counted in `skipped`). `finish(v)` evaluates the last version too and returns
+    what is left to take."""
 
     MAX_WAITING = 4
 
@@ -268,7 +282,7 @@ class EvalWorker:
         return self.engine.sync_ranks
 
     def join_epoch(self, address: SyncAddress, rank: int) -> None:
-        _background(lambda: self.engine.join_weight_sync(address, rank),
+        _background(lambda: self.engine.join_weight_sync(address, rank, node_address()),
                     f"evaluator: joining weight-sync epoch {address.epoch}")
 
     def receive_update(self, meta: UpdateMeta) -> None:
@@ -331,9 +345,30 @@ class EvalWorker:
 class LearnerWorker:
     """One learner rank. Rank 0 consumes the stream, owns the replay buffer and broadcasts."""
 
-    def __init__(self, cfg: Config, rank: int, master: tuple[str, int], redis_url: str, resume: bool):
+    def __init__(self, cfg: Config, rank: int, redis_url: str, resume: bool):
+        """Light: `start` builds the rank, once rank 0's `master_address` is known."""
+        self.cfg, self.rank, self.redis_url, self.resume = cfg, rank, redis_url, resume
+        self.out = Path(cfg.out)
+        self._busy = threading.Lock()  # step and finish never overlap
+
+    def master_address(self) -> tuple[str, int, str]:
+        """Rank 0: where the ranks meet, on rank 0's own node (a free port there), and the
+        secret their rendezvous keys live under (procs.RENDEZVOUS_KEY)."""
+        from async_rlhf.procs import free_port
+
+        host = node_address()
+        return host, free_port(host), secrets.token_hex(16)
+
+    def start(self, master: tuple[str, int, str]) -> None:
+        """Join the ranks at `master` and load the model (resumed from the newest checkpoint,
+        or the initial weights if there is none); rank 0 also opens the weight broadcaster on
+        its node's address."""
+        from async_rlhf.procs import RENDEZVOUS_KEY
+
+        cfg, rank = self.cfg, self.rank
+        host, port, key = master
         os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(cfg.learner.ranks),
-                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+                          MASTER_ADDR=host, MASTER_PORT=str(port), **{RENDEZVOUS_KEY: key})
         import torch
 
         from buffer.redis_stream import RedisExperienceQueue
@@ -342,23 +377,19 @@ class LearnerWorker:
         from learners.learner import Learner
 
         torch.set_num_threads(cfg.learner.threads)
-
-        self.cfg, self.rank = cfg, rank
-        self.out = Path(cfg.out)
-        self._busy = threading.Lock()  # step and finish never overlap
         backend = make_backend(cfg.learner, cfg.model.path, dtype=cfg.model.dtype,
                                temperature=cfg.generator.temperature, seed=cfg.seed)
-        self.broadcaster = WeightBroadcaster(timeout_s=60) if rank == 0 else None
+        self.broadcaster = WeightBroadcaster(host=node_address(), timeout_s=60) if rank == 0 else None
         self.learner = Learner(
             cfg.learner, backend, max_staleness=cfg.max_staleness, group_size=cfg.generator.group_size,
-            queue=RedisExperienceQueue.from_config(cfg.queue, redis_url, consumer=f"learner-{rank}")
+            queue=RedisExperienceQueue.from_config(cfg.queue, self.redis_url, consumer=f"learner-{rank}")
             if rank == 0 else None,
             replay=StalenessReplay(max_reuse=cfg.learner.max_reuse, max_staleness=cfg.max_staleness)
             if rank == 0 else None,
             publisher=self.broadcaster,
             ckpt_dir=self.out / "checkpoints",
         )
-        if resume:  # from the newest checkpoint, or the initial weights if there is none
+        if self.resume:
             self.learner.resume()
             self.learner.publish_weights()  # kept by the broadcaster for the first epoch
 

@@ -105,7 +105,7 @@ def settings(args: argparse.Namespace, cfg, bounds: stages.Bounds | None = None)
 
     def job(name: str, placement: str, k: int, g: int, gen_threads: int, learner_threads: int,
             mode: str = "", extra: tuple[str, ...] = (), against: str | None = None) -> Setting:
-        return Setting(name, placement, k, (f"max_staleness={k}", f"generator.count={g}",
+        return Setting(name, placement, k, ("placement=manual", f"max_staleness={k}", f"generator.count={g}",
                                             f"generator.threads={gen_threads}",
                                             f"learner.threads={learner_threads}", *extra),
                        f"{g} generator process(es) x {gen_threads} thread(s) + 1 learner process x "

@@ -5,7 +5,10 @@ DeepSpeed backend pre-generated random groups of trajectories from memory (no Re
 compute; `bench-queue` measures the stream), warms up, then times steps: trained samples/s,
 response tokens/s, and the share of each step spent waiting, recomputing pi_prox, in the train
 forward, backward, optimizer step and the full-weight gather for the weight sync. Several ZeRO
-stages can be compared in one run. Writes JSON + PNG.
+stages and precisions (learner.mixed_precision) can be compared in one run, beside a plain
+step on the same batches: a Hugging Face forward over the responses (`logits_to_keep`, as TRL
+computes its log-probs), a policy-gradient loss, backward, clipping and torch AdamW, which is what
+a standard trainer pays per sample, in float32 and under bf16 autocast. Writes JSON + PNG.
 
 The data feed: groups held in memory, handed to the learner through the ExperienceQueue and
 ReplayBuffer protocols without Redis (tests use the real Redis stream and replay buffer).
@@ -41,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--mixed-precision", nargs="+", default=["fp32", "bf16"], choices=["auto", "bf16", "fp32"],
+                        help="learner.mixed_precision settings to compare (float32 weights)")
+    parser.add_argument("--no-plain", action="store_true", help="skip the plain Hugging Face step")
     parser.add_argument("--out", default="runs/bench/learner.json")
 
 
@@ -105,7 +111,7 @@ class OnceReplay:
 
 @dataclass(frozen=True)
 class StageResult:
-    zero_stage: int
+    setting: str  # "ZeRO-<stage> <mixed_precision>", or "plain HF <precision>"
     params_m: float
     steps: int
     wall_s: float
@@ -122,14 +128,29 @@ class LearnerReport:
     results: list[StageResult]
 
 
-def bench_one(args: argparse.Namespace, zero_stage: int) -> StageResult:
+def _groups(args: argparse.Namespace, n: int) -> list[Group]:
+    from async_rlhf.synthetic import CHAR_VOCAB_SIZE, random_groups
+
+    return random_groups(n, vocab=CHAR_VOCAB_SIZE, prompt_len=args.prompt_len,
+                         response_len=args.response_len, group_size=args.group_size)
+
+
+def _result(args, setting: str, params: int, timed: list, samples: int, tokens: int, totals: dict) -> StageResult:
+    wall = sum(t for t, _ in timed)
+    return StageResult(setting, round(params / 1e6, 2), args.steps, round(wall, 3), round(samples / wall, 3),
+                       round(tokens / wall, 1), round(samples * (args.prompt_len + args.response_len) / wall, 1),
+                       {p: round(totals.get(p, 0.0) / wall, 3) for p in PHASES},
+                       {p: round(totals.get(p, 0.0), 3) for p in PHASES})
+
+
+def bench_one(args: argparse.Namespace, zero_stage: int, mixed_precision: str) -> StageResult:
     from async_rlhf.config import LearnerConfig
-    from async_rlhf.synthetic import CHAR_VOCAB_SIZE, build_model, random_groups
+    from async_rlhf.synthetic import build_model
     from learners.deepspeed_backend import DeepSpeedBackend
     from learners.learner import Learner
 
     cfg = LearnerConfig(batch_size=args.batch_size, micro_batch=args.micro_batch, zero_stage=zero_stage,
-                        steps=args.warmup + args.steps)
+                        steps=args.warmup + args.steps, mixed_precision=mixed_precision)
     model = build_model(args.preset)
     params = sum(p.numel() for p in model.parameters())
     backend = DeepSpeedBackend(cfg, model, dtype=args.dtype)
@@ -138,26 +159,70 @@ def bench_one(args: argparse.Namespace, zero_stage: int) -> StageResult:
                       replay=OnceReplay(), publisher=NullPublisher())
     per_batch = cfg.batch_size // args.group_size
     n = per_batch * cfg.steps  # groups
-    groups = random_groups(n, vocab=CHAR_VOCAB_SIZE, prompt_len=args.prompt_len,
-                           response_len=args.response_len, group_size=args.group_size)
+    groups = _groups(args, n)
     for i in range(cfg.steps):  # stamp each batch with the version that will train it
         queue.put([g.with_version(i) for g in groups[i * per_batch:(i + 1) * per_batch]])
     timed = warm_then_time(learner.step, warmup=args.warmup, repeats=args.steps)
-    wall, history = sum(t for t, _ in timed), [m for _, m in timed]
+    history = [m for _, m in timed]
     if dict(queue.acked) != {"trained": n}:  # anything dropped would make the numbers lie
         raise RuntimeError(f"bench-learner expected {n} groups trained, got {dict(queue.acked)}")
     totals = dataclasses.asdict(StepTimes.total(m.times for m in history))
-    samples = sum(m.samples for m in history)
-    tokens = sum(m.tokens for m in history)
-    return StageResult(zero_stage, round(params / 1e6, 2), args.steps, round(wall, 3), round(samples / wall, 3),
-                       round(tokens / wall, 1), round(samples * (args.prompt_len + args.response_len) / wall, 1),
-                       {p: round(totals[p] / wall, 3) for p in PHASES}, {p: round(totals[p], 3) for p in PHASES})
+    return _result(args, f"ZeRO-{zero_stage} {backend.autocast or args.dtype}".replace("torch.", ""), params,
+                   timed, sum(m.samples for m in history), sum(m.tokens for m in history), totals)
+
+
+def bench_plain(args: argparse.Namespace, autocast: bool) -> StageResult:
+    """A plain Hugging Face step on the same batches: forward over the responses, the token
+    policy-gradient loss, backward per micro-batch, gradient clipping and one AdamW step."""
+    import time
+
+    import torch
+
+    from async_rlhf.synthetic import build_model
+    from learners.batch import Batch
+
+    model = build_model(args.preset).train()
+    model.config.use_cache = False
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    per_batch = args.batch_size // args.group_size
+    batches = [Batch.from_received([Received(str(i), g) for i, g in enumerate(_groups(args, per_batch))])
+               for _ in range(args.warmup + args.steps)]
+    totals: collections.Counter[str] = collections.Counter()
+
+    def step():
+        batch = batches.pop()
+        for s in range(0, args.batch_size, args.micro_batch):
+            mb = batch.rows(torch.arange(s, s + args.micro_batch))
+            t = time.perf_counter()
+            keep = mb.input_ids.shape[1] - int(mb.positions.min())
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                               logits_to_keep=keep).logits
+            logp = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, mb.input_ids[:, -keep + 1:, None])
+            loss = -(logp[..., 0] * mb.mask[:, -keep + 1:]).sum() / batch.mask.sum()
+            totals["forward"] += time.perf_counter() - t
+            t = time.perf_counter()
+            loss.backward()
+            totals["backward"] += time.perf_counter() - t
+        t = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        totals["step"] += time.perf_counter() - t
+
+    warm_then_time(step, warmup=args.warmup, repeats=0)
+    totals.clear()
+    timed = warm_then_time(step, warmup=0, repeats=args.steps)
+    samples = args.steps * args.batch_size
+    return _result(args, f"plain HF {'bf16 autocast' if autocast else 'float32'}", params, timed, samples,
+                   samples * args.response_len, totals)
 
 
 def _plot(report: LearnerReport, path: Path) -> None:
     results = report.results
     with figure(path, figsize=(6, 1.2 + 0.5 * len(results))) as ax:
-        labels = [f"ZeRO-{r.zero_stage}" for r in results]
+        labels = [r.setting for r in results]
         left = [0.0] * len(results)
         for p in PHASES:
             widths = [r.share[p] for r in results]
@@ -171,11 +236,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    report = LearnerReport({k: v for k, v in vars(args).items() if k not in ("func", "command")},
-                           [bench_one(args, stage) for stage in args.zero_stage])
+    results = [bench_one(args, stage, mp) for stage in args.zero_stage for mp in args.mixed_precision]
+    if not args.no_plain:
+        results += [bench_plain(args, autocast) for autocast in (False, True)]
+    report = LearnerReport({k: v for k, v in vars(args).items() if k not in ("func", "command")}, results)
     for r in report.results:
         shares = "  ".join(f"{p} {100 * r.share[p]:.0f}%" for p in PHASES)
-        print(f"ZeRO-{r.zero_stage} {r.params_m}M params: {r.samples_per_s} samples/s, "
+        print(f"{r.setting} {r.params_m}M params: {r.samples_per_s} samples/s, "
               f"{r.response_tokens_per_s} response tok/s, {r.all_tokens_per_s} tok/s | {shares}")
     save(report, Path(args.out), plot=_plot)
     return 0

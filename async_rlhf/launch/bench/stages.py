@@ -131,7 +131,7 @@ def bound_engine(cfg, groups: int) -> StageBound:
 
     g = cfg.generator
     prompts = make_prompt_stream(cfg.data, AutoTokenizer.from_pretrained(cfg.model.path), seed=cfg.seed)
-    engine = make_engine(g, cfg.model.path, seed=cfg.seed)
+    engine = make_engine(g, cfg.model.path, seed=cfg.seed, model_dtype=cfg.model.dtype)
     batch = prompts.take(groups)
     continuous_rate(engine, batch, g.group_size, g.max_inflight, g.max_inflight // g.group_size)  # warm-up
     r = continuous_rate(engine, batch, g.group_size, g.max_inflight, groups)
