@@ -11,8 +11,11 @@ A plain class (the launcher makes it a Ray actor). `run()` works in two threads:
   schedule=lockstep instead admits a whole batch (max_inflight sequences, one gate call) into
   an empty engine and the next batch only once its longest sequence has ended: the old
   generator, kept for comparison.
-- The scorer thread scores each finished group while the engine goes on, and makes it one
-  Group. A group reaches the stream whole or not at all (GRPO and RLOO baselines assume all n
+- Scorer threads, one per reward worker process (generator.reward_concurrency), score the
+  finished groups while the engine goes on, each group in one thread, and make each one Group;
+  a reward call past its deadline has its worker process killed (actors/reward_pool.py), so a
+  hung reward holds back neither the engine nor the other groups, and leaves nothing behind.
+  A group reaches the stream whole or not at all (GRPO and RLOO baselines assume all n
   samples): if any member's reward failed (raised, timed out, NaN, bad output) or the group
   fails Group.validate(), it is set aside: counted once under the first failure's reason,
   logged, and sent to the queue's dead-letter stream with its prompt and responses. The others
@@ -72,8 +75,8 @@ class _Flight:
 
 
 class Generator:
-    """Counters are written by one thread each (engine loop: steps, idle; scorer: scoring and
-    puts; the caller of apply_weights: updates), so they need no lock."""
+    """Counters are written by one thread each (engine loop: steps, idle; the caller of
+    apply_weights: updates) or under `_results` (the scorer threads: scoring and puts)."""
 
     def __init__(
         self,
@@ -104,7 +107,9 @@ class Generator:
         self._taken = self.prompt_start  # prompts taken (the loop writes it, the scorer reads it)
         self._inflight: dict[str, _Flight] = {}  # engine loop only (and apply_weights while parked)
         self._scoring: SimpleQueue[tuple[_Flight, list[Sample], float] | None] = SimpleQueue()
-        self._held: list[tuple[_Flight, Group]] = []  # scored, waiting for older groups (scorer only)
+        self._held: list[tuple[_Flight, Group]] = []  # scored, waiting for older groups
+        # the scorer threads' results: held groups, puts, set-asides and their counters
+        self._results = threading.Lock()
         self._open: Counter[int] = Counter()  # admission version -> groups not yet put or set aside
         self._open_lock = threading.Lock()
         self._error: Exception | None = None  # the scorer's, raised by run()
@@ -120,6 +125,11 @@ class Generator:
         self._last_reward = float("nan")
 
     # -- weights ---------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the engine holds."""
+        return self.engine.policy_version
+
     def apply_weights(self, load: Callable[[], object]) -> None:
         """Run `load` (which loads new weights into the engine: received now from the learner's
         broadcast, or staged before) at the engine loop's next safe point (at once when no loop
@@ -158,8 +168,11 @@ class Generator:
         """Generate until `stop` is set (or max_groups groups have been admitted and are done);
         returns stats(). At a stop, groups still in the engine are aborted and their
         admissions given back; those already finished are scored and put first."""
-        scorer = threading.Thread(target=self._score_loop, name=f"{self.generator_id}-score", daemon=True)
-        scorer.start()
+        self.scorer.pool.start()  # the rewards load before generation, not in a group's deadline
+        scorers = [threading.Thread(target=self._score_loop, name=f"{self.generator_id}-score-{i}",
+                                    daemon=True) for i in range(self.scorer.pool.size)]
+        for thread in scorers:
+            thread.start()
         with self._updates:
             self._looping = True
         admitted, start = 0, time.perf_counter()
@@ -178,8 +191,13 @@ class Generator:
                 self._looping = False
                 self._updates.notify_all()
             self._abort_inflight()
-            self._scoring.put(None)
-            scorer.join()
+            for _ in scorers:
+                self._scoring.put(None)
+            for thread in scorers:
+                thread.join()
+            with self._results:
+                self._guarded(self._release)  # nothing is in flight any more: the held groups all go
+            self.scorer.pool.close()
             self._seconds["run"] += time.perf_counter() - start
         if self._error is not None:
             raise self._error
@@ -253,7 +271,6 @@ class Generator:
     def _score_loop(self) -> None:
         while (item := self._scoring.get()) is not None:
             self._guarded(self._score, *item)
-        self._guarded(self._release)  # nothing is in flight any more: the held groups all go
 
     def _guarded(self, fn, *args) -> None:
         try:
@@ -268,14 +285,15 @@ class Generator:
             return
         start = time.perf_counter()
         scored = self.scorer.score([flight.prompt] * len(samples), [s.text for s in samples])
-        self._seconds["score"] += time.perf_counter() - start
-        group = self._group(flight, samples, scored, gen_s)
-        if isinstance(group, Group):
-            self._held.append((flight, group))
-            self._release()
-        else:
-            self._set_aside_group(flight.prompt, samples, *group)
-            self._resolved(flight, 0)
+        with self._results:
+            self._seconds["score"] += time.perf_counter() - start
+            group = self._group(flight, samples, scored, gen_s)
+            if isinstance(group, Group):
+                self._held.append((flight, group))
+                self._release()
+            else:
+                self._set_aside_group(flight.prompt, samples, *group)
+                self._resolved(flight, 0)
 
     def _release(self) -> None:
         """Put the held groups whose admission version no open group's is older than."""
@@ -384,6 +402,7 @@ class Generator:
             weight_update_s=self._seconds["weight_update"],
             weight_wait_s=self._seconds["weight_wait"],
             mean_inflight=self._seconds["sequences"] / gen_s if gen_s else 0.0,
+            sequences=len(self._inflight) * self.group_size,  # len(): safe from another thread
             tokens_per_s=self._counts["tokens"] / gen_s if gen_s else 0.0,
             last_mean_reward=self._last_reward,
         )
@@ -414,7 +433,7 @@ def make_generator(
         engine or make_engine(g, cfg.model.path, seed=cfg.seed + index, device=device,
                               model_dtype=cfg.model.dtype),
         prompts,
-        Scorer.from_specs(cfg.rewards),
+        Scorer.from_specs(cfg.rewards, g.reward_concurrency),
         queue,
         gate,
         generator_id=f"gen-{index}",

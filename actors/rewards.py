@@ -5,7 +5,8 @@ their weighted combination.
 that is not a finite number, or returns the wrong number of values marks the affected samples as
 failed with a reason tag (reward_raised, reward_timeout, reward_nan, reward_bad_output), and the
 generator sets those samples aside and counts them. When a batch call raises, each sample is
-retried alone so that one bad response does not take its batch down with it.
+retried alone so that one bad response does not take its batch down with it. Calls run in worker
+processes (actors/reward_pool.py): one past its deadline is killed with all it holds.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from async_rlhf.config import RewardSpec
 from async_rlhf.protocols import RewardFn
 from async_rlhf.types import Prompt
+
+from actors.reward_pool import RewardPool
 
 
 def load_function(target: str) -> Callable:
@@ -48,26 +50,42 @@ class FunctionReward:
 
 
 class ModelReward:
-    """A local AutoModelForSequenceClassification; reward = logit 0 of prompt text + response."""
+    """A local AutoModelForSequenceClassification; reward = logit 0 of prompt text + response.
+
+    The model loads where the reward is called: a pickled copy (a RewardPool worker's) loads it
+    as it is unpickled, while its worker starts, so that no call's deadline pays for it."""
 
     def __init__(self, path: str, name: str | None = None, batch_size: int = 16):
+        self.path, self.batch_size = path, batch_size
+        self.name = name or f"model:{path}"
+        self.model = self.tokenizer = None
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "name": self.name, "batch_size": self.batch_size}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+        self._load()
+
+    def _load(self) -> None:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=torch.float32).eval()
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.name = name or f"model:{path}"
-        self.batch_size = batch_size
 
     def __call__(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
+        import torch
+
+        if self.model is None:
+            self._load()
         texts = [p.text + r for p, r in zip(prompts, responses, strict=True)]
         scores: list[float] = []
-        with self.torch.inference_mode():
+        with torch.inference_mode():
             for i in range(0, len(texts), self.batch_size):
                 enc = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt", padding=True)
                 scores += self.model(**enc).logits[:, 0].float().tolist()
@@ -78,7 +96,8 @@ class HttpReward:
     """POST {"prompts", "answers", "responses"} as JSON; expects {"rewards": [float, ...]}.
 
     Each attempt waits at most timeout_s; connection errors, 5xx answers and timeouts are retried
-    `retries` times with a short backoff; the last error is raised.
+    `retries` times with a short backoff; the last error is raised. The scorer's deadline for
+    the call (`deadline_s`) covers every attempt and backoff.
     """
 
     def __init__(self, url: str, timeout_s: float = 10.0, retries: int = 2, name: str | None = None):
@@ -103,8 +122,20 @@ class HttpReward:
             except (urllib.error.URLError, TimeoutError, ConnectionError):
                 if attempt == self.retries:
                     raise
-            time.sleep(min(0.1 * 2**attempt, 2.0))
+            time.sleep(_backoff_s(attempt))
         raise AssertionError("unreachable")
+
+
+def deadline_s(spec: RewardSpec) -> float:
+    """The most one call of this reward may take: timeout_s, or for HTTP every attempt's
+    timeout_s and the backoffs between them."""
+    if spec.kind != "http":
+        return spec.timeout_s
+    return (spec.retries + 1) * spec.timeout_s + sum(_backoff_s(a) for a in range(spec.retries))
+
+
+def _backoff_s(attempt: int) -> float:
+    return min(0.1 * 2**attempt, 2.0)
 
 
 def make_reward(spec: RewardSpec) -> RewardFn:
@@ -131,26 +162,29 @@ class Scored:
 
 
 class Scorer:
-    """Weighted sum of rewards; every reward call is bounded by its timeout."""
+    """Weighted sum of rewards. Every reward call runs in a worker process of a RewardPool of
+    `concurrency` processes and is bounded by its reward's deadline; `score` may be called from
+    that many threads at once."""
 
-    def __init__(self, rewards: Sequence[tuple[RewardFn, float, float]]):
-        """rewards: (reward, weight, timeout_s) triples."""
+    def __init__(self, rewards: Sequence[tuple[RewardFn, float, float]], concurrency: int = 1):
+        """rewards: (reward, weight, deadline_s) triples."""
         if not rewards:
             raise ValueError("a scorer needs at least one reward")
         names = [r.name for r, _, _ in rewards]
         if len(set(names)) != len(names):
             raise ValueError(f"reward names must be distinct, got {names}")
         self.rewards = list(rewards)
+        self.pool = RewardPool([r for r, _, _ in rewards], concurrency)
 
     @classmethod
-    def from_specs(cls, specs: Sequence[RewardSpec]) -> Scorer:
-        return cls([(make_reward(s), s.weight, s.timeout_s) for s in specs])
+    def from_specs(cls, specs: Sequence[RewardSpec], concurrency: int = 1) -> Scorer:
+        return cls([(make_reward(s), s.weight, deadline_s(s)) for s in specs], concurrency)
 
     def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[Scored]:
         parts: list[dict[str, float]] = [{} for _ in responses]
         failures: list[tuple[str, str] | None] = [None] * len(responses)
-        for reward, _, timeout_s in self.rewards:
-            values = self._call(reward, timeout_s, prompts, responses)
+        for index, (reward, _, deadline) in enumerate(self.rewards):
+            values = self._call(index, deadline, prompts, responses)
             for i, value in enumerate(values):
                 if failures[i] is None:
                     if isinstance(value, tuple):
@@ -163,37 +197,20 @@ class Scorer:
             for p, f in zip(parts, failures)
         ]
 
-    def _call(self, reward: RewardFn, timeout_s: float, prompts, responses) -> list:
+    def _call(self, index: int, deadline: float, prompts, responses) -> list:
         """One value per response: a finite float or a (reason, detail) failure."""
-        outcome = self._bounded(reward, timeout_s, prompts, responses)
+        name = self.rewards[index][0].name
+        outcome = self.pool.call(index, prompts, responses, deadline)
         if isinstance(outcome, tuple) and outcome[0] == "reward_raised" and len(responses) > 1:
             # one call per response finds the culprit(s); the others keep their rewards
-            return [self._call(reward, timeout_s, [p], [r])[0] for p, r in zip(prompts, responses)]
+            return [self._call(index, deadline, [p], [r])[0] for p, r in zip(prompts, responses)]
         if isinstance(outcome, tuple):
             return [outcome] * len(responses)
         if len(outcome) != len(responses):
             bad = ("reward_bad_output",
-                   f"{reward.name} returned {len(outcome)} values for {len(responses)} responses")
+                   f"{name} returned {len(outcome)} values for {len(responses)} responses")
             return [bad] * len(responses)
-        return [self._check(reward.name, v) for v in outcome]
-
-    @staticmethod
-    def _bounded(reward: RewardFn, timeout_s: float, prompts, responses):
-        """reward(prompts, responses) as a list, or a (reason, detail) failure. The call runs in
-        a daemon thread: one that hangs past its timeout is abandoned (it cannot be killed) but
-        neither blocks scoring nor keeps the process from exiting."""
-        outcome: list = [("reward_timeout", f"{reward.name} took longer than {timeout_s} s")]
-
-        def call() -> None:
-            try:
-                outcome[0] = list(reward(list(prompts), list(responses)))
-            except Exception as e:  # noqa: BLE001 - any reward bug is the sample's failure
-                outcome[0] = ("reward_raised", f"{reward.name}: {type(e).__name__}: {e}")
-
-        thread = threading.Thread(target=call, name=f"reward:{reward.name}", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        return outcome[0]
+        return [self._check(name, v) for v in outcome]
 
     @staticmethod
     def _check(name: str, value) -> float | tuple[str, str]:

@@ -102,8 +102,10 @@ class ModelConfig(_Section):
 @dataclass(frozen=True)
 class DataConfig(_Section):
     _prefix = "data."
-    # where prompts come from: a built-in task, a JSONL file or a saved HF dataset
-    source: Literal["task", "jsonl", "hf_dataset"] = "task"
+    # where prompts come from: a built-in task, a JSONL file or a saved HF dataset; or
+    # preferences: no generation, a JSONL file of {prompt, chosen, rejected} pairs trained by
+    # learner.algorithm=dpo (actors/preferences.py)
+    source: Literal["task", "jsonl", "hf_dataset", "preferences"] = "task"
     task: str = "count"  # built-in task name when source == "task"
     path: str = ""  # JSONL file or dataset directory for the other sources
     prompt_key: str = "prompt"  # holds a string, or a list of {"role", "content"} messages
@@ -185,6 +187,15 @@ class GeneratorConfig(_Section):
     # off on GPU (graphs speed up decoding).
     enforce_eager: Literal["auto"] | bool = "auto"
     max_restarts: int = 10  # a generator that dies is replaced, after 1, 2, 4 ... 30 s, this often
+    # Groups a generator scores at once, each in a reward worker process of its own (a call
+    # past its reward's deadline has its process killed and replaced), so one slow or hung
+    # reward call holds back only its own group. Each worker holds a copy of the rewards
+    # (a reward model's memory too).
+    reward_concurrency: int = 2
+    # A generator whose engine takes no step for this many seconds while it holds sequences
+    # (a hung engine loop: its process still answers) is killed and replaced like a dead one.
+    # One step takes well under a second here: the default leaves room for any slow machine.
+    stall_s: float = 300.0
     # Load the weights of version V - weight_lag when version V arrives (0: the newest), so that
     # every sample is exactly min(V, weight_lag) versions old when trained: the staleness study
     # (`async-rlhf study staleness`) uses it to realise k whatever the stages' speeds.
@@ -194,8 +205,8 @@ class GeneratorConfig(_Section):
         _check(self.max_restarts >= 0, "generator.max_restarts", self.max_restarts, ">= 0")
         _check(self.weight_lag >= 0, "generator.weight_lag", self.weight_lag, ">= 0")
         _check(0 <= self.nice <= 19, "generator.nice", self.nice, "from 0 (normal priority) to 19 (lowest)")
-        self._positive("count", "group_size", "max_new_tokens", "threads")
-        self._positive("temperature", "tensor_parallel")
+        self._positive("count", "group_size", "max_new_tokens", "threads", "reward_concurrency")
+        self._positive("temperature", "tensor_parallel", "stall_s")
         if self.gpu_memory_utilization != "auto":
             _check(0 < self.gpu_memory_utilization <= 1, "generator.gpu_memory_utilization",
                    self.gpu_memory_utilization, "auto or a fraction in (0, 1]")
@@ -283,9 +294,26 @@ class LearnerConfig(_Section):
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     wait_s: float = 60.0  # a step fails if the stream delivers nothing usable for this long
     max_restarts: int = 3  # a dead learner rank restarts (all ranks, from the newest checkpoint)
+    # The objective trained on each batch of groups: ppo (the policy-gradient losses that
+    # clip_eps, correction, advantage... configure); dpo (each group's highest-reward response
+    # chosen, its lowest rejected, against a frozen copy of the initial policy); rs (rejection
+    # sampling, best-of-n: supervised fine-tuning on each group's best response)
+    algorithm: Literal["ppo", "dpo", "rs"] = "ppo"
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO's logistic loss, or IPO's squared one
+    dpo_beta: float = 0.1  # DPO's beta: the strength of the implicit KL to the reference
+    dpo_length_norm: bool = False  # dpo: mean per-token log-probs of a response instead of their sum
+    rs_threshold: float = 0.0  # rs trains on a group's best response only if its reward is at least this
 
     def _validate(self) -> None:
         self._positive("steps", "batch_size", "micro_batch", "ranks", "threads", "lr", "clip_eps", "is_cap")
+        self._positive("dpo_beta")
+        if self.algorithm != "ppo":
+            _check(self.advantage != "gae", "learner.advantage", self.advantage,
+                   f"grpo, rloo or reinforce_pp with learner.algorithm={self.algorithm} "
+                   "(gae trains a critic that dpo and rs never use)")
+            _check(self.kl_coef == 0, "learner.kl_coef", self.kl_coef,
+                   f"0 with learner.algorithm={self.algorithm} (dpo has its KL strength in "
+                   "learner.dpo_beta, rs no KL term)")
         self._positive("max_reuse", "minibatches", "critic_lr", "wait_s")
         _check(self.max_restarts >= 0, "learner.max_restarts", self.max_restarts, ">= 0")
         if self.backend == "torch":
@@ -394,6 +422,23 @@ class Config(_Section):
             self.learner.batch_size,
             f"a multiple of generator.group_size ({self.generator.group_size})",
         )
+        if self.data.source == "preferences":  # one producer puts the file's pairs, in groups of 2
+            _check(self.learner.algorithm == "dpo", "learner.algorithm", self.learner.algorithm,
+                   "dpo with data.source=preferences (the file holds pairs, no rewards to optimise)")
+            _check(self.generator.group_size == 2, "generator.group_size", self.generator.group_size,
+                   "2 with data.source=preferences (a group is one pair)")
+            _check(self.generator.count == 1, "generator.count", self.generator.count,
+                   "1 with data.source=preferences (one producer reads the file; more would repeat it)")
+            _check(self.placement == "manual", "placement", self.placement,
+                   "manual with data.source=preferences (no generation to size stages for: the "
+                   "one producer needs no core of its own; set learner.threads/ranks by hand)")
+        if self.learner.algorithm == "dpo":  # a pair is two responses to one prompt
+            _check(self.generator.group_size >= 2, "generator.group_size", self.generator.group_size,
+                   ">= 2 with learner.algorithm=dpo (a pair is two responses of one group)")
+            # the chosen and rejected responses of a pair meet in one forward pass
+            _check(self.learner.micro_batch % self.generator.group_size == 0, "learner.micro_batch",
+                   self.learner.micro_batch, f"a multiple of generator.group_size ({self.generator.group_size}) "
+                   "with learner.algorithm=dpo (a micro-batch holds whole groups)")
 
     def to_yaml(self) -> str:
         """The resolved config as YAML, fit to print or keep (a Redis password is redacted)."""

@@ -152,9 +152,9 @@ class GeneratorStats:
     `produced` and `tokens` count samples put on the queue, `groups` the groups they came in
     (one stream entry each); `set_aside` counts groups set aside, by reason. Engine loop time is
     generate_s (steps) + idle_s (nothing to run) + weight_update_s; score_s and put_s overlap it
-    (the scorer thread). mean_inflight: sequences in the engine, averaged over the steps' time;
-    inflight_updates: weight updates that sequences in flight went on with. node, pid, node_id,
-    weight_receive_s and error are the Ray actor's (empty outside one)."""
+    (score_s sums the scorer threads'). mean_inflight: sequences in the engine, averaged over
+    the steps' time (`sequences`: now); inflight_updates: weight updates that sequences in flight went on with.
+    node, pid, node_id, weight_receive_s and error are the Ray actor's (empty outside one)."""
 
     generator_id: str
     policy_version: int
@@ -180,6 +180,7 @@ class GeneratorStats:
     weight_update_s: float  # at the safe point: loading (receiving too, for an update taken straight in)
     weight_wait_s: float  # waiting for the safe point
     mean_inflight: float
+    sequences: int  # in the engine now
     tokens_per_s: float
     last_mean_reward: float
     node: str = ""
@@ -296,6 +297,7 @@ class JobSummary:
     generators: tuple[GeneratorStats, ...]
     wall_s: float
     redis_restarts: int
+    generator_stalls: int  # generators killed for making no progress (generator.stall_s)
     startup: Mapping[str, float]  # phase -> seconds since the command started
     placement: str
     error: str = ""
@@ -304,7 +306,8 @@ class JobSummary:
     def to_json(self) -> dict[str, Any]:
         out = {**(self.accounting.to_json() if self.accounting else {}),
                "generators": [g.to_json() for g in self.generators], "wall_s": self.wall_s,
-               "redis_restarts": self.redis_restarts, "startup": dict(self.startup), "placement": self.placement}
+               "redis_restarts": self.redis_restarts, "generator_stalls": self.generator_stalls,
+               "startup": dict(self.startup), "placement": self.placement}
         if self.error:
             out["error"] = self.error
         if self.shutdown_s is not None:
@@ -315,14 +318,19 @@ class JobSummary:
     def from_json(cls, d: Mapping[str, Any]) -> JobSummary:
         return cls(accounting=Accounting.from_json(d) if "produced" in d else None,
                    generators=tuple(GeneratorStats.from_json(g) for g in d["generators"]),
-                   wall_s=d["wall_s"], redis_restarts=d["redis_restarts"], startup=d["startup"],
+                   wall_s=d["wall_s"], redis_restarts=d["redis_restarts"],
+                   generator_stalls=d.get("generator_stalls", 0), startup=d["startup"],
                    placement=d["placement"], error=d.get("error", ""), shutdown_s=d.get("shutdown_s"))
 
     def line(self) -> str:
-        """The console's last word: summary: produced=..., ..., lost=... (; error: ...)."""
+        """The console's last word: summary: produced=..., ..., lost=... (; error: ...); other ack
+        reasons (duplicate=...) where there are any, before left_in_queue."""
         acc = self.accounting
-        counts = ", ".join(f"{k}={getattr(acc, k)}" for k in Accounting.LINE) if acc else ""
-        return f"summary: {counts}" + (f"; error: {self.error.splitlines()[0]}" if self.error else "")
+        counts = [f"{k}={getattr(acc, k)}" for k in Accounting.LINE] if acc else []
+        if acc:
+            at = Accounting.LINE.index("left_in_queue")
+            counts[at:at] = [f"{k}={v}" for k, v in sorted(acc.acked_other.items()) if v]
+        return f"summary: {', '.join(counts)}" + (f"; error: {self.error.splitlines()[0]}" if self.error else "")
 
 
 # -- the running job, for `async-rlhf status` --------------------------------------------------
@@ -345,6 +353,7 @@ class JobSnapshot:
     learner: LearnerStatus
     generators: tuple[GeneratorStats, ...]
     generator_restarts: int
+    generator_stalls: int  # generators lost for making no progress (generator.stall_s)
 
 
 @dataclass(frozen=True)
@@ -391,7 +400,8 @@ class JobStatus:
         c, snap = self.coordinator, self.coordinator.job
         return {"job": self.job, "at": self.at, "learner": dataclasses.asdict(snap.learner),
                 "generators": [g.to_json() for g in snap.generators],
-                "generator_restarts": snap.generator_restarts, "requests": dict(c.requests),
+                "generator_restarts": snap.generator_restarts, "generator_stalls": snap.generator_stalls,
+                "requests": dict(c.requests),
                 "gate": {"accepted": c.gate_accepted, "running": c.gate_running},
                 "queue": {"redis_url": self.redis_url, "stream": self.stream, **self.queue.to_json()}}
 
@@ -399,7 +409,8 @@ class JobStatus:
         snap, q = self.coordinator.job, self.queue
         learner = snap.learner
         out = [f"job {self.job}: learner step {learner.step} policy_version {learner.policy_version}  "
-               f"restarts: learner {learner.restarts}, generators {snap.generator_restarts}"]
+               f"restarts: learner {learner.restarts}, generators {snap.generator_restarts}; "
+               f"stalled generators {snap.generator_stalls}"]
         out += [f"  {g.generator_id:>8}  node {g.node}  pid {g.pid}  policy_version {g.policy_version}  "
                 f"produced {g.produced}{'  ERROR' if g.error else ''}" for g in snap.generators]
         out += [f"  generator request {i}: {state}" for i, state in self.coordinator.requests.items()]

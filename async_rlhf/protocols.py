@@ -138,6 +138,12 @@ class ExperienceQueue(Protocol):
         buffer/redis_stream.py)."""
         ...
 
+    def duplicates(self, received: Sequence[Received]) -> list[str]:
+        """The entry ids, of `received`, that copy a group id an earlier entry already carried
+        (a producer that put a group twice): the learner acks them as `duplicate`, unused. An
+        entry delivered again is no copy of itself."""
+        ...
+
     def reject(self, rejected: Sequence[tuple[Received, TrajectoryError]]) -> None:
         """Set aside received entries that cannot be trained on (bytes and reason kept, counted
         `dead_lettered`): the learner's own checks, e.g. a token id outside its vocabulary."""

@@ -184,11 +184,13 @@ class Group:
     def size(self) -> int:
         return len(self.members)
 
-    def with_version(self, version: int) -> Group:
+    def with_version(self, version: int, group_id: str | None = None) -> Group:
         """The same group with every member stamped `version` for all its tokens (benchmarks
-        replay old data)."""
-        return Group(tuple(dataclasses.replace(t, policy_version=version, version_spans=((version, 0),))
-                           for t in self.members))
+        replay old data), and `group_id` if given (the learner refuses a second entry with the
+        id of an earlier one as a duplicate: a replayed copy needs an id of its own)."""
+        group_id = group_id or self.group_id
+        return Group(tuple(dataclasses.replace(t, policy_version=version, version_spans=((version, 0),),
+                                               group_id=group_id) for t in self.members))
 
     def validate(self, *, logprobs: bool = True) -> None:
         """Raise TrajectoryError if this group must not be trained on: it is empty, its

@@ -99,7 +99,8 @@ class _Epoch:
     address: SyncAddress
     store: dist.TCPStore
     notify: Callable[[UpdateMeta], Callable[[], None]]  # RPC to the members; returns their wait
-    group: object | None = None  # the process group, once formed
+    group: object | None = None  # the process group, once formed (None with no rank but the learner's)
+    formed: bool = False
     sent: int = -1  # the newest version its members have all taken
     broken: bool = False  # did not form, or a send failed: nothing more is sent on it
     sending: bool = False  # the sender thread is in a collective on it
@@ -252,7 +253,7 @@ class WeightBroadcaster:
             self._fail(epoch, f"{e}; the next membership epoch retries")
             return
         with self._state:
-            epoch.group = group
+            epoch.group, epoch.formed = group, True
             self._state.notify_all()
         self._retire(epoch)  # if superseded while forming
 
@@ -289,7 +290,7 @@ class WeightBroadcaster:
 
     def _due(self) -> _Epoch | None:
         epoch = self._current
-        if (epoch is None or epoch.group is None or epoch.broken or self._last is None
+        if (epoch is None or not epoch.formed or epoch.broken or self._last is None
                 or epoch.sent >= self._last[0]):
             return None
         return epoch
@@ -310,8 +311,8 @@ class WeightBroadcaster:
     def _send(self, epoch: _Epoch, meta: UpdateMeta, buckets: list[torch.Tensor]) -> None:
         device = _device(self.backend)
         try:
-            members_done = epoch.notify(meta)
-            for bucket in buckets:
+            members_done = epoch.notify(meta)  # members of no rank (that need only the version) too
+            for bucket in buckets if epoch.group is not None else ():
                 _broadcast(epoch.group, bucket.to(device))
             members_done()
         except Exception as e:  # noqa: BLE001 - a member died or failed: counted, the epoch aborted

@@ -87,3 +87,25 @@ if tonumber(ARGV[2]) > last then
 end
 return redis.call('XLEN', KEYS[1]) - redis.call('XPENDING', KEYS[1], ARGV[3])[1]
 """
+
+# The first entry to carry a group id keeps it; any later entry with that id is a copy (a
+# producer that put the group twice). S:group_ids maps each id to its first entry, S:group_order
+# lists the ids newest first, so that only the newest ARGV[1] are remembered.
+# KEYS: group_ids, group_order. ARGV: how many ids to remember, then (entry id, group id)...
+# -> the entry ids that are copies (an entry delivered again is not a copy of itself).
+COPIES = """
+local copies = {}
+for i = 2, #ARGV, 2 do
+  local first = redis.call('HGET', KEYS[1], ARGV[i + 1])
+  if not first then
+    redis.call('HSET', KEYS[1], ARGV[i + 1], ARGV[i])
+    redis.call('LPUSH', KEYS[2], ARGV[i + 1])
+  elseif first ~= ARGV[i] then
+    copies[#copies + 1] = ARGV[i]
+  end
+end
+for _ = 1, redis.call('LLEN', KEYS[2]) - tonumber(ARGV[1]) do
+  redis.call('HDEL', KEYS[1], redis.call('RPOP', KEYS[2]))
+end
+return copies
+"""

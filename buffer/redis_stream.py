@@ -19,6 +19,9 @@ Keys, for stream name S:
                   with the groups, atomically), where a restarted producer continues
     S:put_seq     producer name -> the number of its last put chunk applied: a chunk retried
                   after its reply was lost is not appended again
+    S:group_ids   group id -> the first entry that carried it, for the newest GROUP_IDS_KEPT
+                  ids (S:group_order lists them, newest first): a later entry with the same
+                  group id is a copy, which the learner acks as `duplicate` (see `duplicates`)
 
 Lifecycle of an entry: `put` XADDs it; `get` delivers it to one consumer (XREADGROUP, or
 XAUTOCLAIM once it has been idle for claim_idle_ms in the hands of another consumer, presumed
@@ -66,6 +69,9 @@ log = logging.getLogger(__name__)
 FIELD = b"t"
 PRODUCER = b"p"  # our producers' name on each entry: entries without it were written by others
 _SCRIPT_CHUNK = 1000  # ids per Lua call: keeps unpack() far below Lua's stack limit
+# Group ids remembered to find copies: a copy comes from a producer that put a group twice, soon
+# after the first; 100k ids take ~10 MB of the server's memory.
+GROUP_IDS_KEPT = 100_000
 
 
 class QueueFull(TimeoutError):
@@ -127,6 +133,7 @@ class RedisExperienceQueue:
         self.stream, self.group = stream, group
         self.dead_stream, self.counters_key = f"{stream}:dead", f"{stream}:counters"
         self.positions_key, self.put_seq_key = f"{stream}:prompt_positions", f"{stream}:put_seq"
+        self.group_ids_key, self.group_order_key = f"{stream}:group_ids", f"{stream}:group_order"
         self.max_backlog, self.claim_idle_ms = max_backlog, claim_idle_ms
         self.max_deliveries = max_deliveries
         self.dead_letter_maxlen, self.put_chunk = dead_letter_maxlen, put_chunk
@@ -135,6 +142,7 @@ class RedisExperienceQueue:
         self._dead_script = client.register_script(redis_scripts.DEAD_LETTER)
         self._autoclaim_script = client.register_script(redis_scripts.AUTOCLAIM_IDS)
         self._put_script = client.register_script(redis_scripts.PUT)
+        self._copies_script = client.register_script(redis_scripts.COPIES)
         self._put_seq: int | None = None  # the number of this producer's last put chunk
         self._claim_cursor = b"0-0"
         self._held: set[str] = set()  # delivered to this consumer, not yet acked
@@ -322,6 +330,17 @@ class RedisExperienceQueue:
         if bad:
             self._dead_letter(bad, foreign)
         return out
+
+    def duplicates(self, received: Sequence[Received]) -> list[str]:
+        """The entry ids, of `received`, whose group id an earlier entry of the stream carried
+        (of the newest GROUP_IDS_KEPT ids): copies, to be acked unused. The first entry with an
+        id keeps it, delivered again or not, whichever consumer asks and however often."""
+        copies: list[str] = []
+        for chunk in _chunks(received, _SCRIPT_CHUNK):
+            args = [GROUP_IDS_KEPT, *(x for r in chunk for x in (r.entry_id, r.group.group_id))]
+            copies += [i.decode() for i in self._copies_script(
+                keys=[self.group_ids_key, self.group_order_key], args=args)]
+        return copies
 
     def reject(self, rejected: Sequence[tuple[Received, TrajectoryError]]) -> None:
         """Move received entries that cannot be trained on to S:dead, re-encoded, with their

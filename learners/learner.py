@@ -22,11 +22,14 @@ dropout; otherwise it is the training forward's own log-probs, detached) -> adva
 gather full weights and publish them (rank 0) -> checkpoint when due.
 A crash after an ack but before the next checkpoint loses those updates, not the run: resume
 restarts from the checkpoint with its version and counters, and trains on fresh experience.
+learner.algorithm dpo and rs take the same batches, acks and staleness, and train their own
+rows with their own loss (learners/preference.py) in place of advantages and policy_loss.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import os
@@ -46,8 +49,11 @@ from async_rlhf.types import Group, Received, TrajectoryError
 from learners import advantages as adv_fns
 from learners.batch import Batch, token_staleness
 from learners.losses import NonFiniteError, aggregate, check_finite, kl_penalty, policy_loss, value_loss
+from learners.preference import PreferenceObjective
 
 log = logging.getLogger(__name__)
+
+_PPO_STATS = ("clip_frac", "ratio_mean", "bw_mean", "bw_capped_frac")  # token-weighted means
 
 _KEEP_CHECKPOINTS = 2
 
@@ -72,7 +78,8 @@ class Learner:
     ckpt_dir: where checkpoints go and where `resume()` looks. Every rank calls step()/train(),
     resume(), save_checkpoint() and publish_weights() together (they are collective).
     `counters` (count_* in the metrics): samples and tokens count samples; groups,
-    dropped_stale, rejected_<reason>, lost_to_reclaim and trained_first_use count groups.
+    dropped_stale, duplicate, rejected_<reason>, lost_to_reclaim and trained_first_use count
+    groups.
     """
 
     def __init__(
@@ -115,6 +122,9 @@ class Learner:
         self.prox_from_forward = (cfg.ratio_to == "prox" and cfg.minibatches == 1
                                   and not (cfg.kl_mode == "reward" and backend.has_reference)
                                   and not backend.has_dropout)
+        # learner.algorithm dpo or rs: its own rows and loss on the same batches (no pi_prox)
+        self.objective = None if cfg.algorithm == "ppo" else PreferenceObjective(cfg, backend, group_size)
+        self.prox_from_forward |= self.objective is not None
 
     # -- the loop --------------------------------------------------------------------------
     def train(self, steps: int | None = None) -> list[StepMetrics]:
@@ -155,7 +165,8 @@ class Learner:
             self.save_checkpoint()
             timing["checkpoint"] = time.perf_counter() - t
 
-        extra = {k: stats.pop(k) for k in ("kl", "value_loss", "value_clip_frac") if k in stats}
+        fields = {f.name for f in dataclasses.fields(StepMetrics)}
+        extra = {k: stats.pop(k) for k in list(stats) if k not in fields}  # kl, value_loss, pairs...
         return StepMetrics(
             version=self.version,
             **stats,
@@ -246,9 +257,11 @@ class Learner:
         return items, first_use
 
     def _admit(self, received: Sequence[Received]) -> list[Received]:
-        """Keep the groups that are valid and fresh enough: ack the stale with a counted reason,
-        and move those this learner cannot train on to the dead-letter stream, bytes and reason
-        kept. Whole groups either way (counters count groups)."""
+        """Keep the groups that are valid, fresh enough and no copy: ack the stale with a counted
+        reason, move those this learner cannot train on to the dead-letter stream, bytes and
+        reason kept, and ack as `duplicate` an entry whose group id an earlier entry carried
+        (the stream remembers, so this holds across restarts). Whole groups either way
+        (counters count groups)."""
         keep, rejected = [], []
         for r in received:
             try:
@@ -263,7 +276,13 @@ class Learner:
         if rejected:
             self.queue.reject(rejected)
             self.counters.update(f"rejected_{e.reason}" for _, e in rejected)
-        return keep
+        copies = set(self.queue.duplicates(keep)) if keep else set()
+        if copies:
+            self.queue.ack(sorted(copies), reason="duplicate")
+            self.counters["duplicate"] += len(copies)
+            log.warning("%d entries copy a group an earlier entry carried: acked as duplicate, not "
+                        "trained (a producer put them twice)", len(copies))
+        return [r for r in keep if r.entry_id not in copies]
 
     def _check(self, group: Group) -> None:
         """Raise TrajectoryError if this learner cannot train on the group (any member)."""
@@ -296,6 +315,10 @@ class Learner:
         per_mb = batch.input_ids.shape[0] // self.cfg.minibatches
         n = per_mb // self.world
         lengths = batch.attention_mask.sum(1).cpu()
+        if self.cfg.algorithm == "dpo":  # whole groups stay together (a pair meets in a micro-batch),
+            groups = batch.groups.cpu()  # ordered by their longest row
+            lengths = torch.zeros(int(groups.max()) + 1, dtype=lengths.dtype).scatter_reduce(
+                0, groups, lengths, "amax", include_self=False)[groups]
         rows = [torch.arange(m * per_mb + self.rank * n, m * per_mb + (self.rank + 1) * n)
                 for m in range(self.cfg.minibatches)]
         return torch.cat([r[torch.argsort(lengths[r], descending=True, stable=True)] for r in rows])
@@ -357,7 +380,12 @@ class Learner:
         rows = self._rank_rows(batch).to(batch.mask.device)
         local = batch.rows(rows)
         rec = self._recompute(local, timing)
-        advantages, returns = self._advantages(batch, rows, local, rec)  # policy_loss checks them
+        if self.objective is None:  # targets: per-token advantages (policy_loss checks them)
+            targets, returns = self._advantages(batch, rows, local, rec)
+        else:  # ...or each row's role in dpo/rs (chosen, rejected, not trained)
+            roles, counters = self.objective.roles(batch)
+            self.counters.update(counters)
+            targets, returns = roles[rows], None
 
         per_mb = B // cfg.minibatches
         n_local = per_mb // self.world
@@ -366,7 +394,8 @@ class Learner:
         bw_max = torch.zeros(1, device=be.device)
         for m in range(cfg.minibatches):
             mb_rows = slice(m * per_mb, (m + 1) * per_mb)
-            counts = dict(num_tokens=float(batch.mask[mb_rows].sum()), num_seqs=float(per_mb))
+            counts = (dict(num_tokens=float(batch.mask[mb_rows].sum()), num_seqs=float(per_mb))
+                      if self.objective is None else self.objective.counts(batch, roles, mb_rows))
             local_m = local.rows(torch.arange(m * n_local, (m + 1) * n_local))
             why_skip = ""  # set on every rank once any rank's loss in this optimizer step is not finite
             for s, mb in self._micro_batches(local_m):
@@ -375,7 +404,8 @@ class Learner:
                        slice(0, mb.mask.shape[1]))
                 mine = {k: v[idx] for k, v in rec.items()}
                 t = time.perf_counter()
-                loss, parts, st, why = self._micro_loss(mb, mine, advantages[idx], counts)
+                target = targets[idx] if self.objective is None else targets[idx[0]]  # roles: [n]
+                loss, parts, st, why = self._micro_loss(mb, mine, target, counts)
                 timing["forward"] += time.perf_counter() - t
                 why_skip = self._any_rank(why_skip or why)
                 t = time.perf_counter()
@@ -395,31 +425,36 @@ class Learner:
                     self._critic_micro_step(mb, mine["old_values"], returns[idx], counts, sums, timing)
                 ntok = float(mb.mask.sum())
                 sums.update(parts, tokens=ntok)
-                for k in ("clip_frac", "ratio_mean", "bw_mean", "bw_capped_frac"):
-                    sums[k] += st[k] * ntok
-                bw_max = torch.maximum(bw_max, torch.tensor([st["bw_max"]], device=be.device))
+                if self.objective is not None:
+                    sums.update(st)  # stat sums already
+                else:
+                    sums.update({k: st[k] * ntok for k in _PPO_STATS})
+                    bw_max = torch.maximum(bw_max, torch.tensor([st["bw_max"]], device=be.device))
         return {**self._reduce_stats(sums, bw_max, grad_norms), "skipped_nonfinite": skipped}
 
-    def _micro_loss(self, mb: Batch, rec: dict, advantages: torch.Tensor,
+    def _micro_loss(self, mb: Batch, rec: dict, targets: torch.Tensor,
                     counts: dict) -> tuple[torch.Tensor, dict, dict, str]:
         """Forward and loss of one micro-batch (`rec`: _recompute's tensors at its rows and
-        columns): (this rank's share of the loss, its parts and the
-        policy stats as floats, why the loss is not finite or ""). A NaN/inf input on a real token
-        (NonFiniteError) gives a NaN loss that still reaches every parameter, and NaN stats."""
+        columns): (this rank's share of the loss, its parts and the policy stats as floats, why
+        the loss is not finite or ""). targets: the advantages [n, T], or in dpo/rs the rows'
+        roles [n]. A NaN/inf input on a real token (NonFiniteError) gives a NaN loss that still
+        reaches every parameter, and NaN stats."""
         cfg, be = self.cfg, self.backend
+        if self.objective is not None:
+            return self.objective.micro_loss(mb, targets, rec.get("ref_logp"), counts)
         logp, entropy = be.logprobs(mb.input_ids, mb.attention_mask, mb.positions,
                                     with_entropy=True, entropy_grad=cfg.entropy_coef > 0)
         prox = logp.detach() if self.prox_from_forward else rec["prox_logp"]
         why = ""
         try:
             pg, st = policy_loss(
-                logp, prox, mb.behavior_logp, advantages, mb.mask,
+                logp, prox, mb.behavior_logp, targets, mb.mask,
                 clip_eps=cfg.clip_eps, correction=cfg.correction, is_cap=cfg.is_cap,
                 level=cfg.correction_level, ratio_to=cfg.ratio_to, agg=cfg.loss_agg, **counts,
             )
         except NonFiniteError as e:
             pg, why = logp.sum() * math.nan, str(e)
-            st = dict.fromkeys(("clip_frac", "ratio_mean", "bw_mean", "bw_max", "bw_capped_frac"), math.nan)
+            st = dict.fromkeys((*_PPO_STATS, "bw_max"), math.nan)
         ent = aggregate(entropy, mb.mask, cfg.loss_agg, **counts)
         loss = pg - cfg.entropy_coef * ent
         parts = {"loss_policy": pg.item(), "entropy": ent.item()}
@@ -476,12 +511,14 @@ class Learner:
         total = dict(zip(keys, vec.tolist()))
         ntok = max(total.pop("tokens"), 1.0)
         out = {}
+        if self.objective is not None:  # its own stats; PPO's have no meaning there
+            out = {**self.objective.step_stats(total), **dict.fromkeys(_PPO_STATS, math.nan)}
         for k, v in total.items():
-            if k in ("clip_frac", "ratio_mean", "bw_mean", "bw_capped_frac", "value_clip_frac"):
+            if k in (*_PPO_STATS, "value_clip_frac"):
                 out[k] = v / ntok
             else:  # loss parts: summed shares over micro-batches, averaged over optimizer steps
                 out[k] = v / self.cfg.minibatches
-        out["bw_max"] = float(bw_max)
+        out["bw_max"] = float(bw_max) if self.objective is None else math.nan
         out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         return out
 

@@ -1,4 +1,4 @@
-"""Policy, KL, entropy and value losses as pure torch functions.
+"""Policy, KL, entropy, value and preference (DPO, IPO) losses as pure torch functions.
 
 Shapes: B sequences, T response tokens (right-padded), V vocabulary. `mask` [B, T] is 1 on real
 response tokens and 0 on padding. Log-probs are of the sampled tokens:
@@ -247,3 +247,54 @@ def value_loss(
         frac = (((v_clipped - returns) ** 2 > (values - returns) ** 2).to(maskf.dtype) * maskf).sum() / n
         mean = (values * maskf).sum() / n
     return loss, {"value_clip_frac": float(frac), "value_mean": float(mean)}
+
+
+def sequence_logprob(logp: torch.Tensor, mask: torch.Tensor, *, length_norm: bool = False) -> torch.Tensor:
+    """log pi(response) [B] from token log-probs [B, T]: sum_t m logp_t, or with length_norm the
+    mean over the response's tokens (SimPO's length-normalised reward, Meng et al. 2024)."""
+    total = masked(logp, mask).sum(-1)
+    return total / mask.to(logp.dtype).sum(-1).clamp(min=1.0) if length_norm else total
+
+
+def dpo_loss(
+    chosen_logp: torch.Tensor,
+    rejected_logp: torch.Tensor,
+    ref_chosen_logp: torch.Tensor,
+    ref_rejected_logp: torch.Tensor,
+    *,
+    beta: float,
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid",
+    num_pairs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Preference loss over P pairs; inputs [P], sequence log-probs (sequence_logprob) of the
+    chosen and rejected responses under the policy and the frozen reference.
+
+    h = (logp_c - ref_c) - (logp_r - ref_r);
+    sigmoid: -log sigmoid(beta h)           (DPO, Rafailov et al. 2023, eq. 7)
+    ipo:     (h - 1 / (2 beta))^2           (IPO, Azar et al. 2023, eq. 17)
+    summed over pairs and divided by num_pairs (global, see module docstring; default P).
+    Returns (loss, stats); stats are local means over the pairs: reward_margin = beta h,
+    chosen_logratio = logp_c - ref_c, rejected_logratio = logp_r - ref_r, pair_accuracy = the
+    share of pairs whose implicit reward ranks the chosen response first (h > 0).
+    """
+    check_finite(chosen_logp=chosen_logp, rejected_logp=rejected_logp,
+                 ref_chosen_logp=ref_chosen_logp, ref_rejected_logp=ref_rejected_logp)
+    chosen_ratio = chosen_logp - ref_chosen_logp
+    rejected_ratio = rejected_logp - ref_rejected_logp
+    h = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        per_pair = -torch.nn.functional.logsigmoid(beta * h)
+    elif loss_type == "ipo":
+        per_pair = (h - 1.0 / (2.0 * beta)) ** 2
+    else:
+        raise ValueError(f"dpo loss {loss_type!r} unknown: use sigmoid or ipo")
+    n = h.shape[0] if num_pairs is None else num_pairs
+    loss = per_pair.sum() / max(float(n), 1.0)
+    with torch.no_grad():
+        stats = {
+            "reward_margin": float((beta * h).mean()),
+            "chosen_logratio": float(chosen_ratio.mean()),
+            "rejected_logratio": float(rejected_ratio.mean()),
+            "pair_accuracy": float((h > 0).to(h.dtype).mean()),
+        }
+    return loss, stats

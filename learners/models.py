@@ -109,8 +109,8 @@ class Models:
 
 def load_models(cfg: LearnerConfig, policy: str | nn.Module, device: str, dtype: torch.dtype) -> Models:
     """The policy from an HF directory (or an already built causal LM: benchmarks, tests), a
-    frozen copy as reference when learner.kl_coef > 0, and a critic when learner.advantage is
-    gae (from learner.critic_init, else the policy directory)."""
+    frozen copy as reference when learner.kl_coef > 0 or learner.algorithm is dpo, and a critic
+    when learner.advantage is gae (from learner.critic_init, else the policy directory)."""
     from transformers import AutoModelForCausalLM
 
     attn = _attn_implementation(device, cfg.flash_attention, dtype)
@@ -123,7 +123,7 @@ def load_models(cfg: LearnerConfig, policy: str | nn.Module, device: str, dtype:
     model = load(policy)
     model.config.use_cache = False
     reference = None  # replicated (not sharded) on every rank
-    if cfg.kl_coef > 0:
+    if cfg.kl_coef > 0 or cfg.algorithm == "dpo":
         ref = load(policy) if isinstance(policy, str) else copy.deepcopy(model)
         reference = ref.to(device, dtype).eval().requires_grad_(False)
     critic = None

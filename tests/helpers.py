@@ -1,9 +1,11 @@
 """Helpers shared by test modules (tests/ is on sys.path under pytest): the one trajectory and
 group factory of the codec, queue and replay tests, a buggy producer's re-encoding, the
-admission gate of the generator tests, and what the learner tests of both backends share."""
+admission gate and a hanging reward of the generator tests, and what the learner tests of both
+backends share."""
 
 import collections
 import math
+import threading
 
 import msgpack
 import numpy as np
@@ -13,6 +15,14 @@ from async_rlhf.types import Group, Received, Trajectory
 from buffer.codec import encode
 
 VOCAB = 256  # the learner tests' tiny model (conftest.py tiny_learner_model)
+
+
+def hang_reward(prompts, responses):
+    """A reward that hangs for good on prompts whose answer is 'hang', 0.5 otherwise (here, so
+    that the reward worker processes that import it need not import a test module's torch)."""
+    if any(p.answer == "hang" for p in prompts):
+        threading.Event().wait()
+    return [0.5] * len(prompts)
 
 
 def make_traj(i: int = 0, **changes) -> Trajectory:

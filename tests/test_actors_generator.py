@@ -5,6 +5,7 @@ return NaN set aside whole while the loop goes on."""
 import dataclasses
 import json
 import math
+import os
 import threading
 import time
 
@@ -17,6 +18,7 @@ from actors.generator import Generator, make_generator
 from actors.prompts import PromptStream
 from actors.rewards import FunctionReward, Scorer
 from async_rlhf.config import Config, DataConfig, GeneratorConfig, ModelConfig, RewardSpec
+from async_rlhf.launch.stall import StallWatch
 from async_rlhf.protocols import QueueStats
 from async_rlhf.staleness import StalenessGate
 from async_rlhf.types import Sample
@@ -115,6 +117,42 @@ def test_new_groups_never_overtake_old_ones_in_the_stream(tiny_actor_model):
     assert gen.stats().inflight_updates == 1 and gate.running == 0
 
 
+class HangingEngine(ScriptedEngine):
+    """Its third step never returns (until released): a hung engine loop."""
+
+    def __init__(self):
+        super().__init__([10**6])
+        self.release, self.calls = threading.Event(), 0
+
+    def step(self):
+        self.calls += 1
+        if self.calls == 3:
+            self.release.wait()
+        return super().step()
+
+
+def test_a_generator_whose_engine_hangs_reports_frozen_steps_with_sequences(tiny_actor_model):
+    """The stats a launcher reads (from another thread) while the engine loop hangs: the step
+    count stays, the engine holds sequences, and the watchdog calls it stalled."""
+    engine = HangingEngine()
+    gen = _generator(engine, tiny_actor_model, ListQueue(), StalenessGate(max_staleness=10**6, batch_size=8))
+    stop = threading.Event()
+    runner = threading.Thread(target=gen.run, args=(stop,))
+    runner.start()
+    try:
+        while engine.calls < 3:
+            time.sleep(0.01)
+        watch, first = StallWatch(stall_s=60), gen.stats()
+        assert first.steps == 2 and first.sequences > 0
+        assert watch.stalled(first.generator_id, first.steps, first.sequences, now=0) == ""
+        later = gen.stats()
+        assert watch.stalled(later.generator_id, later.steps, later.sequences, now=61).startswith("stalled")
+    finally:
+        stop.set()
+        engine.release.set()
+        runner.join(30)
+
+
 def picky_reward(prompts, responses):
     """The batch raises if any answer is 'boom'; NaN for answer 'nan'; 0.5 otherwise."""
     if any(p.answer == "boom" for p in prompts):
@@ -144,9 +182,12 @@ def vllm_engine(tiny_actor_model):
     engine.close()
 
 
-def _generator(engine, path, queue, gate, records=RECORDS, reward="picky_reward", group_size=2, **kwargs):
+def _generator(engine, path, queue, gate, records=RECORDS, reward="picky_reward", group_size=2,
+               deadline_s=5.0, reward_concurrency=1, **kwargs):
     tok = AutoTokenizer.from_pretrained(path)
-    scorer = Scorer([(FunctionReward(f"{__name__}:{reward}", name="picky"), 1.0, 5.0)])
+    target = reward if ":" in reward else f"{__name__}:{reward}"
+    scorer = Scorer([(FunctionReward(target, name="picky"), 1.0, deadline_s)],
+                    reward_concurrency)
     gate = EngineGate(gate, lambda: engine.policy_version)
     return Generator(engine, PromptStream(records, tok, seed=0), scorer, queue, gate, generator_id="gen-t",
                      group_size=group_size, max_inflight=4 * group_size, poll_s=0.01, **kwargs)
@@ -212,6 +253,39 @@ def test_stop_while_waiting_for_admission(vllm_engine, tiny_actor_model):
     stop = threading.Event()
     threading.Timer(0.2, stop.set).start()
     assert gen.run(stop).groups == 0 and gate.running == 0
+
+
+@pytest.mark.slow
+def test_a_hung_reward_is_killed_and_holds_back_only_its_group(vllm_engine, tiny_actor_model):
+    """The first of 10 groups (20 samples) hangs its reward for good: it is set aside as
+    reward_timeout at its deadline, the 9 others are scored by the second worker meanwhile and
+    go in the stream whole, and the run ends with as many threads as it started with."""
+    tok = AutoTokenizer.from_pretrained(tiny_actor_model)
+    records = [(f"copy {i}=", str(i)) for i in range(10)]
+    first = int(next(PromptStream(records, tok, seed=0)).prompt_id.split(":")[1])
+    records[first] = (records[first][0], "hang")
+    events = []
+    queue = ListQueue()
+    queue.put = lambda groups, **_: (queue.items.extend(groups), events.append("put"))
+    dead_letter = queue.dead_letter
+    queue.dead_letter = lambda *args: (dead_letter(*args), events.append("set_aside"))
+    warm = _generator(vllm_engine, tiny_actor_model, ListQueue(),
+                      StalenessGate(max_staleness=10**6, batch_size=8), reward="helpers:hang_reward",
+                      reward_concurrency=2)
+    warm.run(threading.Event(), max_groups=1)  # threads the engine starts once are running now
+    threads, os_threads = threading.active_count(), len(os.listdir("/proc/self/task"))
+    gate = StalenessGate(max_staleness=10**6, batch_size=8)
+    gen = _generator(vllm_engine, tiny_actor_model, queue, gate, records=records,
+                     reward="helpers:hang_reward", deadline_s=10.0, reward_concurrency=2)
+    stats = gen.run(threading.Event(), max_groups=10)
+    assert stats.set_aside == {"reward_timeout": 1} and stats.groups == 9 and stats.produced == 18
+    assert events == ["put"] * 9 + ["set_aside"]  # the others were not held back by the hung one
+    (reason, _, payload), = queue.dead
+    assert reason == "reward_timeout" and payload["prompt"] == records[first][0]
+    assert all(g.size == 2 and len({t.group_id for t in g.members}) == 1 for g in queue.items)
+    assert gate.accepted == 18 and gate.running == 0
+    assert gen.scorer.pool.killed == 1
+    assert (threading.active_count(), len(os.listdir("/proc/self/task"))) == (threads, os_threads)
 
 
 def test_make_generator_from_config(tiny_actor_model):

@@ -3,14 +3,17 @@ weighted combination, and failures that are set aside instead of raised."""
 
 import json
 import math
+import os
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
-import torch
 
-from actors.rewards import FunctionReward, HttpReward, ModelReward, Scorer, load_function, make_reward
+from actors.rewards import (FunctionReward, HttpReward, ModelReward, Scorer, deadline_s, load_function,
+                            make_reward)
 from async_rlhf.config import RewardSpec
 from async_rlhf.types import Prompt
 
@@ -29,9 +32,26 @@ def picky_reward(prompts, responses):
     return [math.nan if r == "nan" else 1.0 for r in responses]
 
 
-def slow_reward(prompts, responses):
-    time.sleep(0.5)
+def hang_reward(prompts, responses):
+    """Hangs for good on a response "hang:DIR", after writing its process id into DIR; 1.0
+    otherwise."""
+    for r in responses:
+        if r.startswith("hang:"):
+            (Path(r[5:]) / str(os.getpid())).touch()
+            threading.Event().wait()
     return [1.0] * len(responses)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _hung_pids(folder):
+    return [int(p.name) for p in folder.iterdir()]
 
 
 def short_reward(prompts, responses):
@@ -74,19 +94,47 @@ def test_raise_and_nan_set_aside_per_sample():
     assert got[0].reward == got[3].reward == 1.0
 
 
-def test_timeout_and_bad_output():
-    slow = Scorer([(FunctionReward(f"{__name__}:slow_reward"), 1.0, 0.05)])
-    start = time.perf_counter()
-    got = slow.score(PROMPTS[:2], ["a", "b"])
-    assert time.perf_counter() - start < 0.4  # did not wait for the slow reward
-    assert {s.failure[0] for s in got} == {"reward_timeout"}
+def test_timeout_and_bad_output(tmp_path):
+    hung = Scorer([(FunctionReward(f"{__name__}:hang_reward"), 1.0, 0.5)])
+    threads = threading.active_count()
+    got = hung.score(PROMPTS[:2], ["a", f"hang:{tmp_path}"])
+    assert {s.failure[0] for s in got} == {"reward_timeout"} and "process was killed" in got[0].failure[1]
+    assert hung.pool.killed == 1 and threading.active_count() == threads  # no thread left behind
+    assert not any(_alive(pid) for pid in _hung_pids(tmp_path))  # nor the process
+    assert [s.ok for s in hung.score(PROMPTS[:1], ["a"])] == [True]  # a new worker took its place
     short = Scorer([(FunctionReward(f"{__name__}:short_reward"), 1.0, 1.0)])
     assert {s.failure[0] for s in short.score(PROMPTS[:2], ["a", "b"])} == {"reward_bad_output"}
+
+
+def test_a_hung_call_holds_back_only_its_own_group(tmp_path):
+    """Two calls at once: the hung one's worker is killed at its deadline, the other answers
+    meanwhile from the second worker; the killed process is gone."""
+    scorer = Scorer([(FunctionReward(f"{__name__}:hang_reward"), 1.0, 60.0)], concurrency=2)
+    scorer.score(PROMPTS[:1], ["warm"])  # one worker up: the next call starts the second
+    hung: list = []
+    caller = threading.Thread(target=lambda: hung.extend(scorer.score(PROMPTS[:1], [f"hang:{tmp_path}"])))
+    caller.start()
+    while not _hung_pids(tmp_path):
+        time.sleep(0.05)
+    (pid,) = _hung_pids(tmp_path)
+    assert [s.reward for s in scorer.score(PROMPTS[:2], ["a", "b"])] == [1.0, 1.0]
+    assert caller.is_alive()  # answered while the hung call still waited
+    os.kill(pid, signal.SIGKILL)  # as if its deadline had come: the pool counts a dead worker
+    caller.join()
+    assert hung[0].failure[0] == "reward_raised" and "worker process died" in hung[0].failure[1]
+    assert scorer.pool.killed == 1 and not _alive(pid)
+
+
+def test_http_deadline_covers_retries():
+    spec = RewardSpec(kind="http", target="http://127.0.0.1:1/score", timeout_s=2.0, retries=2)
+    assert deadline_s(spec) == pytest.approx(3 * 2.0 + 0.1 + 0.2)
+    assert deadline_s(RewardSpec(target="actors.tasks:score", timeout_s=3.0, retries=2)) == 3.0
 
 
 class _Handler(BaseHTTPRequestHandler):
     calls = 0
     fail_first = 0  # answer 503 to this many requests first
+    sleep_first = 0  # answer this many requests (after those) 1 s late
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -95,7 +143,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(503)
             self.end_headers()
             return
-        if body["responses"] and body["responses"][0] == "sleep":
+        late = type(self).calls <= type(self).fail_first + type(self).sleep_first
+        if late or (body["responses"] and body["responses"][0] == "sleep"):
             time.sleep(1.0)
         rewards = [float(r == a) for r, a in zip(body["responses"], body["answers"])]
         data = json.dumps({"rewards": rewards}).encode()
@@ -114,7 +163,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def http_url():
-    _Handler.calls, _Handler.fail_first = 0, 0
+    _Handler.calls, _Handler.fail_first, _Handler.sleep_first = 0, 0, 0
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/score"
@@ -140,7 +189,16 @@ def test_http_reward_gives_up_and_times_out(http_url):
         slow(PROMPTS[:1], ["sleep"])
 
 
+def test_http_retries_after_a_timeout(http_url):
+    """The first attempt times out, the retry answers: the scorer's deadline covers both."""
+    _Handler.sleep_first = 1
+    scorer = Scorer.from_specs([RewardSpec(kind="http", target=http_url, retries=1, timeout_s=0.5)])
+    got = scorer.score(PROMPTS[:2], ["00", "x"])
+    assert [s.reward for s in got] == [1.0, 0.0] and _Handler.calls == 2
+
+
 def test_model_reward(tmp_path, tiny_actor_model):
+    import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
     config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -182,3 +182,33 @@ def test_help_imports_no_command_module():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["learner.algorithm=dpo", "generator.group_size=1", "learner.batch_size=8"],
+         "generator.group_size must be >= 2 with learner.algorithm=dpo (a pair is two responses of one group), got 1"),
+        (["learner.algorithm=dpo", "generator.group_size=4", "learner.micro_batch=2"],
+         "learner.micro_batch must be a multiple of generator.group_size (4) with learner.algorithm=dpo"),
+        (["learner.algorithm=rs", "learner.advantage=gae"],
+         "learner.advantage must be grpo, rloo or reinforce_pp with learner.algorithm=rs"),
+        (["learner.algorithm=dpo", "learner.kl_coef=0.1"],
+         "learner.kl_coef must be 0 with learner.algorithm=dpo (dpo has its KL strength in learner.dpo_beta"),
+        (["learner.algorithm=dpo", "learner.dpo_beta=0"], "learner.dpo_beta must be > 0, got 0"),
+        (["learner.algorithm=sft"], "learner.algorithm must be one of 'ppo', 'dpo', 'rs', got 'sft'"),
+        (["data.source=preferences", "data.path=p.jsonl"],
+         "learner.algorithm must be dpo with data.source=preferences (the file holds pairs"),
+        (["data.source=preferences", "data.path=p.jsonl", "learner.algorithm=dpo"],
+         "generator.group_size must be 2 with data.source=preferences (a group is one pair), got 4"),
+        (["data.source=preferences", "data.path=p.jsonl", "learner.algorithm=dpo", "generator.group_size=2",
+          "placement=manual", "generator.count=2"], "generator.count must be 1 with data.source=preferences"),
+        (["data.source=preferences", "data.path=p.jsonl", "learner.algorithm=dpo", "generator.group_size=2"],
+         "placement must be manual with data.source=preferences"),
+    ],
+)
+def test_preference_algorithms_need_groups_and_no_critic_or_kl(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=overrides)
+    assert message in str(e.value)
+    load_config(overrides=["learner.algorithm=rs", "generator.group_size=1", "learner.batch_size=8"])

@@ -121,6 +121,27 @@ def test_two_ranks_match_one_rank(tiny_learner_model, one_rank_weights, redis_se
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (k, a, b)
 
 
+def test_two_ranks_match_one_rank_in_dpo(tiny_learner_model, redis_server, tmp_path):
+    """Each rank holds one group, so one pair, of the batch: the pair count that normalises the
+    loss is the batch's, and the two ranks' update is the one rank's."""
+    runs = []
+    for ranks in (1, 2):
+        out = tmp_path / f"ranks{ranks}"
+        out.mkdir()
+        spec = dict(mode="train", model=tiny_learner_model, out=str(out), zero_stage=2, algorithm="dpo",
+                    redis_url=redis_server.url, stream=f"test-{uuid.uuid4().hex[:12]}")
+        assert run_ranks(spec, ranks) == [0] * ranks
+        runs.append((torch.load(out / "weights.pt"), json.loads((out / "metrics.json").read_text())))
+    (one, one_metrics), (two, two_metrics) = runs
+    assert max(float((two[k] - one[k]).abs().max()) for k in two) < 5e-5
+    assert one_metrics[-1]["pairs"] == 2 and one_metrics[-1]["reward_margin"] != 0
+    # step 1: the policy is the reference, h = 0, and the batch's mean loss is -log sigmoid(0)
+    assert one_metrics[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    for a, b in zip(one_metrics, two_metrics):
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (k, a, b)
+
+
 def test_checkpoint_kill_resume_keeps_version_and_counters(tiny_learner_model, redis_client, redis_server,
                                                            stream_name, tmp_path):
     from buffer.redis_stream import RedisExperienceQueue
@@ -176,8 +197,10 @@ def _worker(spec: dict) -> None:
     # float32 throughout: the subject is the data-parallel split, whose round-off the weight check
     # bounds; under bf16 autocast Adam amplifies bf16 round-off in near-zero gradients to ~lr
     # (the losses and gradient norms still agree to 1e-6)
-    cfg = LearnerConfig(batch_size=8, micro_batch=2, ranks=spec["ranks"], zero_stage=spec["zero_stage"],
-                        lr=1e-3, checkpoint_every=1, mixed_precision="fp32")
+    algorithm = spec.get("algorithm", "ppo")  # dpo: a micro-batch holds whole groups (of 4)
+    cfg = LearnerConfig(batch_size=8, micro_batch=4 if algorithm == "dpo" else 2, ranks=spec["ranks"],
+                        zero_stage=spec["zero_stage"], lr=1e-3, checkpoint_every=1, mixed_precision="fp32",
+                        algorithm=algorithm)
     backend = DeepSpeedBackend(cfg, spec["model"])
     rank0 = backend.rank == 0
     mode = spec["mode"]
@@ -207,8 +230,9 @@ def _worker(spec: dict) -> None:
         if rank0:
             torch.save(initial, out / "initial.pt")
             torch.save(weights, out / "weights.pt")
-            keep = ("loss", "loss_policy", "entropy", "grad_norm", "bw_mean", "tokens")
-            (out / "metrics.json").write_text(json.dumps([{k: getattr(m, k) for k in keep} for m in history]))
+            keep = ("loss", "loss_policy", "entropy", "grad_norm", "tokens") + (("bw_mean",) if algorithm == "ppo" else ())
+            (out / "metrics.json").write_text(json.dumps([{**{k: getattr(m, k) for k in keep}, **m.extra}
+                                                          for m in history]))
     elif mode == "crash":
         learner.train(steps=3)
         (out / "crash.json").write_text(json.dumps({"version": learner.version,

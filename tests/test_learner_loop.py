@@ -46,7 +46,8 @@ def test_fixed_batch_objective_decreases_and_metrics_are_complete(make_learner):
 
     values = [objective()]
     for _ in range(4):  # the same batch put again each step, stamped fresh so it is not stale
-        queue.put([g.with_version(learner.version) for g in fixed])
+        v = learner.version  # (and with new group ids: the learner refuses copies of a group)
+        queue.put([g.with_version(v, f"{g.group_id}@v{v}") for g in fixed])
         metrics = learner.step()
         values.append(objective())
     assert values[-1] < values[0] - 0.05, values
@@ -165,6 +166,24 @@ def test_batches_hold_only_whole_groups_around_rejected_ones(make_learner):
         msgpack.unpackb(dead["non_finite_reward"])["members"])
 
 
+def test_a_copy_of_a_group_is_acked_as_duplicate_not_trained(make_learner):
+    """A producer that puts a group twice (as one without the exactly-once put would): the
+    learner trains the first entry and acks the copy as `duplicate`; a restarted learner still
+    knows the id (the stream keeps it), and the accounting closes with lost = 0."""
+    groups = random_groups(4, vocab=VOCAB, seed=11)
+    learner, queue, _ = make_learner([groups[0], groups[0], groups[1]])  # the copy in one read
+    metrics = learner.step()
+    assert (metrics.samples, metrics.groups, metrics.counts["duplicate"]) == (8, 2, 1)
+    restarted, queue, _ = make_learner([groups[0], groups[2], groups[3]])  # a copy of a trained one
+    metrics = restarted.step()
+    assert (metrics.samples, metrics.groups, metrics.counts["duplicate"]) == (8, 2, 1)
+    stats = queue.stats()
+    assert stats.counters == {"produced": 6, "trained": 4, "duplicate": 2}
+    assert stats.pending == stats.backlog == 0
+    accounting = queue.accounting()
+    assert accounting.acked_other == {"duplicate": 2} and accounting.lost == 0
+
+
 def test_entries_reclaimed_by_another_consumer_are_not_trained(make_learner, make_queue):
     groups = random_groups(4, vocab=VOCAB)
     learner, queue, _ = make_learner(groups[:1])  # one group short of a batch: the learner waits
@@ -203,7 +222,8 @@ def test_pi_prox_from_the_training_forward_gives_the_recomputed_update(make_lear
     groups = random_groups(2, vocab=VOCAB, seed=5)
     results = []
     for from_forward in (True, False):
-        learner, _, publisher = make_learner(groups, is_cap=1.1)
+        copy = [g.with_version(0, f"{g.group_id}/{from_forward}") for g in groups]  # no duplicate
+        learner, _, publisher = make_learner(copy, is_cap=1.1)
         assert learner.prox_from_forward  # the default: minibatches=1, ratio_to=prox
         learner.prox_from_forward = from_forward
         be, passes = learner.backend, []
@@ -269,7 +289,7 @@ def test_resume_restores_weights_optimizer_version_and_counters(make_learner, tm
     assert resumed.resume()
     assert resumed.version == 2 and resumed.counters == counters
     assert all(torch.equal(saved[k], v) for k, v in resumed.backend.full_state_dict().items())
-    queue.put([g.with_version(2) for g in groups[4:]])
+    queue.put([g.with_version(2, f"{g.group_id}/again") for g in groups[4:]])  # no copy: new ids
     resumed.step()
     after, after_resumed = learner.backend.full_state_dict(), resumed.backend.full_state_dict()
     assert any(not torch.equal(saved[k], after[k]) for k in saved)

@@ -9,9 +9,11 @@ from learners.losses import (
     NonFiniteError,
     aggregate,
     behavior_weight,
+    dpo_loss,
     entropy_from_logits,
     kl_penalty,
     policy_loss,
+    sequence_logprob,
     token_logprobs,
     value_loss,
 )
@@ -277,3 +279,57 @@ def test_k3_is_clamped_like_verl(d, want):
     k3.sum().backward()
     assert k3.item() == pytest.approx(want, rel=1e-6)
     assert logp.grad.item() == (pytest.approx(1 - math.exp(-d)) if want < 10 else 0.0)
+
+
+def _pair(*values):
+    return [torch.tensor([v], dtype=torch.float64, requires_grad=True) for v in values]
+
+
+def test_dpo_sigmoid_and_ipo_on_one_pair_by_hand():
+    # chosen gained 0.5 over the reference, rejected lost 0.5: h = 1.
+    chosen, rejected, ref_c, ref_r = _pair(-1.0, -2.0, -1.5, -1.5)
+    loss, st = dpo_loss(chosen, rejected, ref_c, ref_r, beta=0.5)
+    # -log sigmoid(0.5) = log(1 + e^-0.5)
+    assert loss.item() == pytest.approx(LN(1 + math.exp(-0.5)), abs=1e-12)
+    loss.backward()
+    # d/d logp_c = -beta sigmoid(-beta h) = -0.5 / (1 + e^0.5); the rejected one's is its negative
+    assert chosen.grad.item() == pytest.approx(-0.5 / (1 + math.exp(0.5)), abs=1e-12)
+    assert rejected.grad.item() == pytest.approx(0.5 / (1 + math.exp(0.5)), abs=1e-12)
+    assert st == pytest.approx({"reward_margin": 0.5, "chosen_logratio": 0.5,
+                                "rejected_logratio": -0.5, "pair_accuracy": 1.0})
+    # ipo: (h - 1 / (2 beta))^2 = (1 - 2)^2 at beta 0.25; its gradient in logp_c 2 (h - 2) = -2
+    chosen, rejected, ref_c, ref_r = _pair(-1.0, -2.0, -1.5, -1.5)
+    loss, _ = dpo_loss(chosen, rejected, ref_c, ref_r, beta=0.25, loss_type="ipo")
+    loss.backward()
+    assert loss.item() == pytest.approx(1.0) and chosen.grad.item() == pytest.approx(-2.0)
+
+
+def test_dpo_against_float64_reference_and_global_pair_count():
+    g = torch.Generator().manual_seed(0)
+    c, r, rc, rr = (-5 * torch.rand(6, generator=g, dtype=torch.float64) for _ in range(4))
+    beta = 0.3
+    want = [math.log1p(math.exp(-beta * ((c[i] - rc[i]) - (r[i] - rr[i])).item())) for i in range(6)]
+    loss, st = dpo_loss(c, r, rc, rr, beta=beta)
+    assert loss.item() == pytest.approx(sum(want) / 6, abs=1e-12)
+    assert st["pair_accuracy"] == pytest.approx(sum(w < math.log(2) for w in want) / 6)
+    # two shards with the global count sum to the whole batch's loss
+    halves = [dpo_loss(c[s], r[s], rc[s], rr[s], beta=beta, num_pairs=6)[0] for s in (slice(0, 2), slice(2, 6))]
+    assert sum(h.item() for h in halves) == pytest.approx(loss.item(), abs=1e-12)
+
+
+def test_dpo_swapped_chosen_and_rejected_is_another_loss_that_ranks_the_wrong_one_first():
+    # the policy prefers the chosen response more than the reference does (h = 2)
+    c, r, rc, rr = (torch.tensor([v], dtype=torch.float64) for v in (-1.0, -3.0, -2.0, -2.0))
+    right, st = dpo_loss(c, r, rc, rr, beta=1.0)
+    wrong, st_swapped = dpo_loss(r, c, rr, rc, beta=1.0)
+    assert right.item() == pytest.approx(LN(1 + math.exp(-2)))
+    assert wrong.item() == pytest.approx(LN(1 + math.exp(2)))
+    assert st["pair_accuracy"] == 1.0 and st_swapped["pair_accuracy"] == 0.0
+    assert st["reward_margin"] == pytest.approx(2.0) and st_swapped["reward_margin"] == pytest.approx(-2.0)
+
+
+def test_sequence_logprob_sums_or_averages_real_tokens_only():
+    logp = torch.tensor([[-1.0, -2.0, math.nan], [-4.0, math.inf, math.inf]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert sequence_logprob(logp, mask).tolist() == [-3.0, -4.0]
+    assert sequence_logprob(logp, mask, length_norm=True).tolist() == [-1.5, -4.0]

@@ -39,7 +39,7 @@ def _gen(**changes) -> GeneratorStats:
         prompt_position=12, produced=24, groups=12, tokens=480, steps=100, aborted=0,
         set_aside={"reward_nan": 1}, set_aside_total=1, dead_letter_errors=0, weight_updates=3,
         inflight_updates=2, run_s=10.0, generate_s=6.0, score_s=1.0, put_s=0.5, idle_s=3.0,
-        weight_update_s=0.5, weight_wait_s=0.1, mean_inflight=7.5, tokens_per_s=80.0, last_mean_reward=0.5,
+        weight_update_s=0.5, weight_wait_s=0.1, mean_inflight=7.5, sequences=8, tokens_per_s=80.0, last_mean_reward=0.5,
         node="host", pid=123, node_id="abc")
     return dataclasses.replace(s, **changes)
 
@@ -48,8 +48,8 @@ def _summary() -> JobSummary:
     acc = Accounting.from_counters({"produced": 10, "foreign": 1, "trained": 8, "dropped_stale": 1,
                                     "reclaimed": 2, "set_aside": 1, "set_aside:reward_nan": 1,
                                     "copied": 1}, left_in_queue=1, foreign_backlog=0)
-    return JobSummary(acc, (_gen(),), wall_s=30.0, redis_restarts=0, startup={"first_step": 9.5},
-                      placement="manual", shutdown_s=2.0)
+    return JobSummary(acc, (_gen(),), wall_s=30.0, redis_restarts=0, generator_stalls=1,
+                      startup={"first_step": 9.5}, placement="manual", shutdown_s=2.0)
 
 
 def test_step_metrics_go_to_a_flat_row_and_back():
@@ -70,16 +70,18 @@ def test_accounting_interprets_the_stream_counters():
     assert acc.lost == 10 + 1 - 8 - 1 - 1 - 1 == 0
     assert not_trained(acc.counters) == 2  # dropped_stale and copied; events are no outcome
     assert _summary().line() == ("summary: produced=10, foreign=1, trained=8, dropped_stale=1, dead_lettered=0, "
-                                 "left_in_queue=1, lost=0")
+                                 "copied=1, left_in_queue=1, lost=0")  # other ack reasons too: it adds up
 
 
 def test_summary_goes_to_json_and_back():
     s = _summary()
     d = json.loads(json.dumps(s.to_json()))
     assert d["unit"] == "groups" and d["lost"] == 0 and d["generators"][0]["produced"] == 24
+    assert d["generator_stalls"] == 1
     assert "error" not in d and d["shutdown_s"] == 2.0
     assert JobSummary.from_json(d) == s
-    failed = JobSummary(None, (), wall_s=1.0, redis_restarts=0, startup={}, placement="manual", error="boom\nmore")
+    failed = JobSummary(None, (), wall_s=1.0, redis_restarts=0, generator_stalls=0, startup={},
+                        placement="manual", error="boom\nmore")
     assert JobSummary.from_json(json.loads(json.dumps(failed.to_json()))) == failed
     assert failed.line() == "summary: ; error: boom"
 
@@ -127,20 +129,20 @@ def test_a_job_record_reaches_metrics_jsonl_tensorboard_the_console_and_the_benc
 def test_status_reads_the_published_snapshot():
     snap = JobSnapshot(job="j", out="/o", learner=LearnerStatus(step=3, policy_version=3, reward_mean=0.5,
                                                                 of_steps=10, pid=7, restarts=1),
-                       generators=(_gen(error="Traceback..."),), generator_restarts=2)
+                       generators=(_gen(error="Traceback..."),), generator_restarts=2, generator_stalls=1)
     acc = _summary().accounting
     published = JobStatus("j", CoordinatorSnapshot(snap, 16, 8, {3: "requested"}), "redis://:***@h:1",
                           "experience", acc, at=1000.0)
     status = JobStatus.from_json(json.loads(json.dumps(dataclasses.asdict(published))))  # the file, read back
     assert status == published
     assert status.lines(now=1001.0) == [
-        "job j: learner step 3 policy_version 3  restarts: learner 1, generators 2",
+        "job j: learner step 3 policy_version 3  restarts: learner 1, generators 2; stalled generators 1",
         "     gen-0  node host  pid 123  policy_version 3  produced 24  ERROR",
         "  generator request 3: requested",
         "queue redis://:***@h:1 stream experience: backlog+pending 1, produced 10, trained 8, dead letters 0"]
     assert status.lines(now=1030.0)[-1].startswith("(as of 30 s ago: the launcher has published nothing since")
     d = json.loads(json.dumps(status.to_json()))
-    assert d["learner"]["pid"] == 7 and d["generators"][0]["pid"] == 123 and d["gate"] == {"accepted": 16, "running": 8}
+    assert d["generator_stalls"] == 1 and d["learner"]["pid"] == 7 and d["generators"][0]["pid"] == 123 and d["gate"] == {"accepted": 16, "running": 8}
     assert d["queue"]["stream"] == "experience" and d["queue"]["lost"] == 0 and d["requests"] == {"3": "requested"}
 
 

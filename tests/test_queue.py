@@ -18,6 +18,7 @@ from async_rlhf.config import QueueConfig
 from async_rlhf.messages import not_trained
 from async_rlhf.types import TrajectoryError
 from buffer.codec import decode, encode
+from buffer import redis_stream
 from buffer.redis_server import EmbeddedRedis
 from buffer.redis_stream import FIELD, QueueFull, RedisExperienceQueue
 from helpers import make_group, reencoded
@@ -165,6 +166,27 @@ def test_a_restarted_consumer_takes_back_what_its_predecessor_held_at_once(make_
     assert [r.group.group_id for r in restarted.get(10, block_ms=0)] == ["group-3", "group-4"]
     assert other.get(10, block_ms=0) == []  # nothing idle long enough for anyone else
     assert restarted.stats().counters["reclaimed"] == 3
+
+
+def test_copies_of_a_group_id_are_found_but_not_redeliveries(make_queue, monkeypatch):
+    """The first entry with a group id keeps it: its copies are found, whichever consumer
+    asks, while that entry delivered again (to a restarted consumer) is no copy of itself.
+    Only the newest GROUP_IDS_KEPT ids are remembered."""
+    make_queue("generator-0").put([make_group(0), make_group(0), make_group(1), make_group(0)])
+    first = make_queue("learner-0")
+    got = first.get(2)
+    assert first.duplicates(got) == [got[1].entry_id]
+    again = make_queue("learner-0")  # a restart: takes back what its predecessor held
+    back = again.get(2)
+    assert [r.entry_id for r in back] == [r.entry_id for r in got]
+    assert again.duplicates(back) == [got[1].entry_id]
+    rest = again.get(2)
+    assert again.duplicates(rest) == [rest[1].entry_id]  # group 1 is new, group 0 no longer
+    monkeypatch.setattr(redis_stream, "GROUP_IDS_KEPT", 1)
+    make_queue("generator-0").put([make_group(2), make_group(0)])
+    assert again.duplicates(again.get(1)) == []  # group 2, new: the only id remembered now
+    assert again.duplicates(again.get(1)) == []  # so group 0 is forgotten
+    assert again._r.hlen(again.group_ids_key) == again._r.llen(again.group_order_key) == 1
 
 
 def test_from_config_and_empty_get(redis_server, stream_name):

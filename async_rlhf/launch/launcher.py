@@ -35,6 +35,7 @@ from async_rlhf.launch import cluster
 from async_rlhf.launch.cli import add_config_arguments, config_from_args
 from async_rlhf.launch.metrics import MetricsLog, StepRecord
 from async_rlhf.launch.preflight import preflight
+from async_rlhf.launch.stall import StallWatch
 from async_rlhf.launch.stream import JobStream
 from async_rlhf.messages import (EvalResult, GeneratorStats, JobSnapshot, JobStatus, JobSummary, LearnerStatus,
                                  StepMetrics)
@@ -43,6 +44,7 @@ from async_rlhf.procs import LOOPBACK, stop_on_signals
 log = logging.getLogger("async_rlhf")
 
 TICK_S = 1.0
+RANK_PING_S = 30.0  # the most a learner rank may take to answer whether it lives
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +72,8 @@ class Job:
         self.starting: dict[str, tuple[Any, Any]] = {}  # generator id -> (handle, ready ref)
         self.placement: dict[str, dict[str, float]] = {}  # generator id -> Ray resources asked
         self.restarts = 0  # generators replaced so far (generator.max_restarts at most)
+        self.stall_watch = StallWatch(cfg.generator.stall_s)
+        self.stalls = 0  # generators lost for making no progress (generator.stall_s)
         self.learner_restarts = 0  # learner.max_restarts at most
         self.learner_pid = 0
         self.due_restarts: list[tuple[float, str]] = []  # (monotonic time, generator id)
@@ -406,11 +410,35 @@ class Job:
 
     def _rank_results(self, refs: list) -> list:
         """The ranks' results; a rank's death raises _RankDied (only theirs: an actor error
-        from anything else the tick calls is no reason to restart the learner)."""
+        from anything else the tick calls is no reason to restart the learner). When one rank
+        dies, another's collective with it may fail first, as that rank's task error (gloo:
+        "Connection reset by peer"): then a rank found dead is the cause, and the error ends
+        the job only when every rank lives."""
+        ray = self.ray
         try:
-            return self.ray.get(refs)
-        except self.ray.exceptions.RayActorError as e:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
             raise _RankDied(type(e).__name__) from e
+        except ray.exceptions.RayTaskError as e:
+            dead = self._dead_ranks()
+            if dead:
+                raise _RankDied(f"rank {dead[0]} died; the step of another failed with it: "
+                                f"{str(e).strip().splitlines()[-1][:200]}") from e
+            raise
+
+    def _dead_ranks(self) -> list[int]:
+        """The learner ranks whose actor is dead: each is asked for its pid (a rank whose death
+        Ray has not noticed yet fails the call when it does)."""
+        ray, dead = self.ray, []
+        pings = [learner.pid.remote() for learner in self.learners]
+        for rank, ping in enumerate(pings):
+            try:
+                ray.get(ping, timeout=RANK_PING_S)
+            except ray.exceptions.RayActorError:
+                dead.append(rank)
+            except ray.exceptions.GetTimeoutError:  # alive, busy: not known dead
+                pass
+        return dead
 
     def _tick(self) -> None:
         """While a step runs: watch generators, take requests, publish the status snapshot."""
@@ -436,9 +464,13 @@ class Job:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
                 self._lose_generator(gid, f"{type(e).__name__}")
                 continue
-            if error := self.gen_stats[gid].error:
-                log.error("generator %s failed:\n%s", gid, error)
-                self._lose_generator(gid, error.strip().splitlines()[-1])
+            stats = self.gen_stats[gid]
+            if stats.error:
+                log.error("generator %s failed:\n%s", gid, stats.error)
+                self._lose_generator(gid, stats.error.strip().splitlines()[-1])
+            elif why := self.stall_watch.stalled(gid, stats.steps, stats.sequences, time.monotonic()):
+                self.stalls += 1
+                self._lose_generator(gid, why)
         if not self.generators:  # all being replaced: the learner's wait is not theirs to time out
             self.learners[0].keep_waiting.remote()
         failures = self.last_metrics.weight_sync_failures if self.last_metrics else 0
@@ -459,6 +491,7 @@ class Job:
         ray = self.ray
         handle = self.generators.pop(gid)
         ray.kill(handle)  # first: a half-alive generator must not finish a batch after release
+        self.stall_watch.forget(gid)
         freed = ray.get(self.coordinator.release.remote(gid))
         print(f"generator {gid} lost ({why}); {freed} admitted samples released", file=sys.stderr)
         budget = self.cfg.generator.max_restarts
@@ -504,7 +537,8 @@ class Job:
                                 of_steps=self.cfg.learner.steps, pid=self.learner_pid,
                                 restarts=self.learner_restarts)
         return JobSnapshot(job=self.cfg.job, out=str(self.out), learner=learner,
-                           generators=tuple(self.gen_stats.values()), generator_restarts=self.restarts)
+                           generators=tuple(self.gen_stats.values()), generator_restarts=self.restarts,
+                           generator_stalls=self.stalls)
 
     # -- the end ---------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -529,7 +563,8 @@ class Job:
             accounting=self.stream.queue.accounting() if self.stream is not None else None,
             generators=tuple(self.gen_stats.values()),
             wall_s=time.time() - self.start_time,  # since the command, before Ray and Redis stop
-            redis_restarts=self.stream.restarts if self.stream is not None else 0, startup=self.startup,
+            redis_restarts=self.stream.restarts if self.stream is not None else 0,
+            generator_stalls=self.stalls, startup=self.startup,
             placement=self.placement_line or "manual", error=self.error)
         self._write_summary()
         if self.metrics is not None:

@@ -23,7 +23,11 @@ def preflight(cfg: Config) -> None:
     for i, spec in enumerate(cfg.rewards):
         _check_reward(i, spec.kind, spec.target)
     try:
-        records = load_records(cfg.data, seed=cfg.seed)
+        if cfg.data.source == "preferences":  # records without a prompt are dead-lettered later
+            key = cfg.data.prompt_key
+            records = [(row[key], "") for row in read_jsonl(cfg.data.path) if key in row]
+        else:
+            records = load_records(cfg.data, seed=cfg.seed)
         if isinstance(cfg.eval.prompts, str):
             read_jsonl(cfg.eval.prompts)
     except (OSError, ValueError, KeyError, ImportError) as e:

@@ -134,14 +134,17 @@ class GeneratorWorker:
 
     def __init__(self, cfg: Config, index: int, redis_url: str, coordinator):
         from actors.generator import make_generator
+        from actors.preferences import make_preference_producer
         from buffer.redis_stream import RedisExperienceQueue
 
         os.nice(cfg.generator.nice)  # before any thread starts: Linux sets it per thread, new ones inherit
         self.generator_id = f"gen-{index}"
         queue = RedisExperienceQueue.from_config(cfg.queue, redis_url, consumer=self.generator_id)
-        gate = _CoordinatorGate(coordinator, self.generator_id, lambda: self.generator.engine.policy_version)
-        self.generator = make_generator(cfg, queue, gate, index=index)
-        self.engine = self.generator.engine
+        gate = _CoordinatorGate(coordinator, self.generator_id, lambda: self.generator.policy_version)
+        # data.source=preferences: a producer of the file's pairs takes the generator's place
+        make = make_preference_producer if cfg.data.source == "preferences" else make_generator
+        self.generator = make(cfg, queue, gate, index=index)
+        self.engine = self.generator.engine  # its weight-sync member
         self.stop_event = threading.Event()
         self.error = ""
         self.last_receive_s = 0.0  # the newest weight update's transfer time

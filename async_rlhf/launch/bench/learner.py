@@ -81,6 +81,9 @@ class PreloadedQueue:
     def renew(self, entry_ids: Sequence[str]) -> list[str]:
         return list(entry_ids)
 
+    def duplicates(self, received: Sequence[Received]) -> list[str]:
+        return []  # every group the bench puts is a distinct one
+
     def reject(self, rejected: Sequence[tuple[Received, TrajectoryError]]) -> None:
         raise RuntimeError(f"bench-learner data was rejected: {rejected[0][1]}")
 

@@ -163,7 +163,8 @@ def bound_train(cfg, redis_url: str, warmup: int, steps: int) -> StageBound:
     queue = RedisExperienceQueue.from_config(
         dataclasses.replace(cfg.queue, stream="bound-train"), redis_url, consumer="learner-0")
     for v in range(total):  # cycle the generated data, each batch stamped with its version
-        queue.put([groups[(v * batch + i) % len(groups)].with_version(v) for i in range(batch)])
+        cycled = [groups[(v * batch + i) % len(groups)] for i in range(batch)]
+        queue.put([g.with_version(v, f"{g.group_id}@v{v}") for g in cycled])
     backend = make_backend(cfg.learner, cfg.model.path, dtype=cfg.model.dtype,
                            temperature=cfg.generator.temperature, seed=cfg.seed)
     learner = Learner(cfg.learner, backend, max_staleness=total, group_size=cfg.generator.group_size,

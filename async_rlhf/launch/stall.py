@@ -1,0 +1,31 @@
+"""The generators' progress watchdog: a generator whose engine takes no step for `stall_s`
+while it holds sequences has a hung engine loop. Its process still answers the launcher's stats
+calls (they run in another thread), so without this nothing would notice; the launcher then
+kills and replaces it as it does a dead one (slots released, its prompts continued)."""
+
+from __future__ import annotations
+
+
+class StallWatch:
+    """Per generator, the engine step count last seen and since when (monotonic seconds)."""
+
+    def __init__(self, stall_s: float):
+        self.stall_s = stall_s
+        self._since: dict[str, tuple[int, float]] = {}  # generator id -> (steps, first seen at)
+
+    def stalled(self, generator_id: str, steps: int, sequences: int, now: float) -> str:
+        """Why the generator counts as stalled at `now`, or "" if it does not: `steps` is its
+        engine step count, `sequences` what its engine holds. An empty engine has no work, so
+        it never stalls (the gate may hold it back for as long as the learner needs)."""
+        seen = self._since.get(generator_id)
+        if seen is None or seen[0] != steps or not sequences:
+            self._since[generator_id] = (steps, now)
+            return ""
+        if now - seen[1] < self.stall_s:
+            return ""
+        return (f"stalled: no engine step for {now - seen[1]:.0f} s with {sequences} sequences in "
+                f"its engine (generator.stall_s={self.stall_s:g})")
+
+    def forget(self, generator_id: str) -> None:
+        """The generator is gone: its replacement starts from its own first report."""
+        self._since.pop(generator_id, None)
