@@ -46,13 +46,12 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from queue import SimpleQueue
 from typing import Literal
 
 import numpy as np
-import torch
 
 from async_rlhf.config import Config
 from async_rlhf.messages import GeneratorStats
@@ -131,9 +130,10 @@ class Generator:
         """The version of the weights the engine holds."""
         return self.engine.policy_version
 
-    def apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load new weights at the engine loop's next safe point (at once when no loop runs);
-        returns when they are loaded."""
+    def apply_weights(self, load: Callable[[], object]) -> None:
+        """Run `load` (which loads new weights into the engine: received now from the learner's
+        broadcast, or staged before) at the engine loop's next safe point (at once when no loop
+        runs); returns when it has run."""
         start = time.perf_counter()
         with self._updates:
             self._updates_waiting += 1
@@ -142,7 +142,7 @@ class Generator:
         try:
             with self._engine_lock:
                 loaded = time.perf_counter()
-                self.engine.update_weights(named_tensors, version)
+                load()
                 self._seconds["weight_update"] += time.perf_counter() - loaded
             self._counts["inflight_updates"] += bool(self._inflight)  # sequences went on with it
         finally:

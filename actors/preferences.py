@@ -12,7 +12,8 @@ not read them.
 The pairs pass the same staleness gate as generated groups, stamped with the newest policy
 version this producer has heard of (it follows the weight broadcasts for their version only),
 so the stream holds at most max_staleness + 1 batches ahead of the learner and none is dropped
-as stale. The file is served in order, epoch after epoch (learner.steps sets how long); the
+as stale. It is a weight-sync member of no rank: each update's RPC brings it the version and none
+of the bytes. The file is served in order, epoch after epoch (learner.steps sets how long); the
 position of the last put is recorded in the stream, so a restarted producer or a resumed job goes
 on from there. A record that cannot be a pair is dead-lettered in the first epoch, with its reason
 (missing_field, not_text, empty_response, identical_responses, too_long) and line number, and skipped after.
@@ -25,7 +26,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from async_rlhf.config import Config
 from async_rlhf.messages import GeneratorStats
 from async_rlhf.protocols import AdmissionGate, ExperienceQueue
 from async_rlhf.types import Group, Trajectory
+from async_rlhf.weight_sync import SyncAddress, UpdateMeta
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +57,27 @@ def check_record(row: dict, prompt_key: str) -> tuple[str, str] | None:
     return None
 
 
+class VersionOnly:
+    """The producer's side of the weight sync (a GenerationEngine's weight-sync part): it takes
+    no rank in the group, since it needs no weights, only each update's version."""
+
+    sync_ranks = 0
+    policy_version = 0
+
+    def join_weight_sync(self, address: SyncAddress, rank: int, host: str) -> None:
+        """Nothing to join: the learner's RPC reaches it all the same."""
+
+    def receive_weights(self, meta: UpdateMeta, load: bool, keep: Iterable[int] = ()) -> int:
+        self.policy_version = meta.version
+        return 0
+
+    def load_staged(self, version: int) -> None:
+        self.policy_version = version
+
+
 class PreferenceProducer:
-    """The generator role for offline pairs: run(stop), apply_weights (the version only),
-    policy_version and stats(), as GeneratorWorker drives a Generator."""
+    """The generator role for offline pairs: run(stop), apply_weights (the version only, from
+    `engine`), policy_version and stats(), as GeneratorWorker drives a Generator."""
 
     def __init__(self, rows: list[dict], render, tokenizer, queue: ExperienceQueue, gate: AdmissionGate, *,
                  prompt_key: str = "prompt", generator_id: str = "gen-0", max_tokens: int | None = None,
@@ -71,15 +91,19 @@ class PreferenceProducer:
         if len(self.bad) == len(rows):
             raise ValueError(f"none of the {len(rows)} preference records can be a pair (first: record "
                              f"{min(self.bad)}: {self.bad[min(self.bad)]}): fix data.path")
-        self.policy_version = 0
+        self.engine = VersionOnly()
         self.prompt_start = self._taken = queue.prompt_positions().get(generator_id, 0)
         self._counts: Counter[str] = Counter()
         self._seconds: Counter[str] = Counter()
         self._set_aside: Counter[str] = Counter()
 
-    def apply_weights(self, named_tensors: Iterable, version: int) -> None:
-        """The learner's new version: later pairs are stamped with it (the weights are unused)."""
-        self.policy_version = version
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def apply_weights(self, load: Callable[[], object]) -> None:
+        """Run `load`, which sets the learner's new version: later pairs are stamped with it."""
+        load()
         self._counts["weight_updates"] += 1
 
     def run(self, stop: threading.Event) -> None:

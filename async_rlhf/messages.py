@@ -46,8 +46,10 @@ class StepMetrics:
     averaged over the step's optimizer steps, samples and tokens are the batch's. `extra`: loss
     stats only some configs have (kl with a reference model; value_loss and value_clip_frac
     with a critic). `counts`: the learner's counters since it started (count_<name>: samples,
-    tokens, groups, dropped_stale, rejected_<reason>, ...). weight_sync_*: rank 0's broadcast
-    of the previous step's weights (0 without a broadcaster)."""
+    tokens, groups, dropped_stale, rejected_<reason>, ...). weight_sync_*: rank 0's publish of
+    the step's weights (0 without a broadcaster): seconds the learner spent on it (packing; the
+    transfer runs beside the next step), the bytes of the newest update its members have taken,
+    and the failed sends so far."""
 
     version: int
     loss: float
@@ -175,7 +177,7 @@ class GeneratorStats:
     score_s: float
     put_s: float
     idle_s: float
-    weight_update_s: float  # loading only
+    weight_update_s: float  # at the safe point: loading (receiving too, for an update taken straight in)
     weight_wait_s: float  # waiting for the safe point
     mean_inflight: float
     sequences: int  # in the engine now

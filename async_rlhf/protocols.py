@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:  # hints only: `status` and `--help` must not pay for importing torch
     import torch
 
+    from async_rlhf.weight_sync import SyncAddress as WeightSyncAddress
+    from async_rlhf.weight_sync import UpdateMeta
+
 from async_rlhf.types import Group, Prompt, Received, Sample, TrajectoryError
 
 
@@ -48,8 +51,27 @@ class GenerationEngine(Protocol):
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load full weights (HF names) and sample with `version` from the next step on; groups
-        in flight go on with the new weights."""
+        """Load full weights (HF names) held by the caller and sample with `version` from the
+        next step on; groups in flight go on with the new weights."""
+        ...
+
+    # The weight-sync group (async_rlhf/weight_sync.py): the engine's processes that hold the
+    # model (every vLLM worker) are its members, so updates from the learner load where they land.
+    sync_ranks: int  # how many members (ranks) the engine adds to an epoch
+
+    def join_weight_sync(self, address: WeightSyncAddress, rank: int, host: str) -> None:
+        """Join an epoch as ranks rank .. rank + sync_ranks - 1, binding `host`, this node's
+        address (blocks until the epoch forms)."""
+        ...
+
+    def receive_weights(self, meta: UpdateMeta, load: bool, keep: Iterable[int] = ()) -> int:
+        """Take the update the learner is broadcasting now: load it (between two steps, as
+        update_weights), or stage it for load_staged, letting go of staged versions not in
+        `keep`. Returns the bytes received."""
+        ...
+
+    def load_staged(self, version: int) -> None:
+        """Load a staged version as update_weights would; older staged ones are let go."""
         ...
 
 

@@ -1,37 +1,49 @@
-"""Versioned weight broadcast from learner rank 0 to the generators.
+"""Versioned weight broadcast from learner rank 0 to the generators' engines.
 
-Each membership epoch (the learner plus the generators of the moment) gets its own standalone
-process group over a fresh TCPStore: gloo on CPU, NCCL on GPU. Groups cannot grow, so a generator
-joining or leaving means a new epoch; the old one is closed with a CLOSE header.
+Each membership epoch (the learner plus the receiving processes of the moment: a generator's
+vLLM workers, every tensor-parallel rank, or a process that stages updates) gets its own
+standalone process group over a fresh TCPStore: gloo on CPU, NCCL on GPU. Groups cannot grow, so
+a member joining or leaving means a new epoch.
 
 Addresses: the store listens on every interface of the learner's node (TCPStore does), at the
 `host` it advertises, and each gloo member binds its own node's address (`host`), so an epoch
 spans nodes. Only the epoch's members join: the group's keys live under a random per-epoch
 secret (`SyncAddress.key`) that reaches them through Ray, never over the store.
 
-Wire format of one publish, all broadcasts from rank 0:
+The learner drives every transfer, and nothing is posted ahead of it. One update:
 
-    for each bucket:  header int64[4] = (BUCKET, version, meta_nbytes, data_nbytes)
-                      meta  uint8[meta_nbytes]   msgpack [(name, dtype, shape), ...]
-                      data  uint8[data_nbytes]   the tensors' raw bytes, back to back
-    then:             header int64[4] = (END, version, 0, 0)
+    learner -> each member, by RPC:  UpdateMeta (epoch, version, per bucket [(name, dtype, shape)])
+    learner -> all, by broadcast:    one uint8 buffer per bucket, the tensors' raw bytes back to
+                                     back (each padded to 8 bytes), sized by the meta on both sides
 
-Tensors are packed into flat byte buckets of about `bucket_mb`: one broadcast per bucket is 2-6x
-faster than one per tensor.
+The RPC carries metadata only; the bytes travel only in the broadcasts. Tensors are packed into
+flat buckets of about `bucket_mb`: one broadcast per bucket is 2-6x faster than one per tensor.
+
+NCCL's rules, kept on gloo too so that one code shape runs on both:
+- A group forms eagerly, when its epoch opens: every member checks in at the store, and a member
+  missing after the timeout fails the formation (counted) instead of blocking the first update.
+- No lock is held across a collective: formation runs in a thread of its own per epoch, and every
+  send in the broadcaster's one sender thread; `open_epoch` and `publish` only swap state.
+- No receive is posted between updates: a member enters a broadcast only when the learner's RPC
+  for that update has reached it, so an idle generator GPU runs no spinning kernel.
+- A member that dies breaks the current send: the learner's side raises (a closed connection, or
+  the timeout; on NCCL, blocking wait with the communicator cleaned up and the process kept), the
+  failure is counted, the group is aborted and the launcher forms the next epoch without the dead
+  member while the learner goes on. A superseded epoch's group is destroyed.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
-import msgpack
 import torch
 import torch.distributed as dist
 
@@ -39,9 +51,13 @@ from async_rlhf.procs import LOOPBACK
 
 log = logging.getLogger(__name__)
 
-BUCKET, END, CLOSE = 1, 2, 3
 _ALIGN = 8
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+Param = tuple[str, str, list[int]]  # name, dtype (str(torch.dtype)), shape
+# On purpose, for the weight-sync groups: a failed or timed-out collective raises in the caller
+# (blocking wait) and only cleans up the communicator; the default error handling (3) tears the
+# whole process down, so a dead generator would take learner rank 0 with it.
+_NCCL_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 @dataclass(frozen=True)
@@ -51,17 +67,43 @@ class SyncAddress:
     host: str
     port: int
     epoch: int
-    world_size: int  # learner + generators
+    world_size: int  # the learner + every receiving rank
     backend: str  # "gloo" or "nccl"
     key: str  # the epoch's secret: the group's store prefix, which only its members know
+    timeout_s: float = 60.0  # formation and each collective
+
+
+@dataclass(frozen=True)
+class UpdateMeta:
+    """What the learner's RPC tells each member ahead of one update's broadcasts: plain lists,
+    so it crosses Ray, and vLLM's msgpack RPC into its workers, as it is."""
+
+    epoch: int
+    version: int
+    buckets: list[list[Param]]  # one broadcast each, tensors in byte order
+
+    def bucket_nbytes(self, i: int) -> int:
+        return sum(_padded(_nbytes(dtype, shape)) for _, dtype, shape in self.buckets[i])
 
 
 @dataclass(frozen=True)
 class WeightUpdate:
     version: int
     named_tensors: list[tuple[str, torch.Tensor]]
-    received_s: float  # seconds from the first header to the last byte
+    received_s: float  # seconds from the first byte to the last
     nbytes: int
+
+
+@dataclass
+class _Epoch:
+    address: SyncAddress
+    store: dist.TCPStore
+    notify: Callable[[UpdateMeta], Callable[[], None]]  # RPC to the members; returns their wait
+    group: object | None = None  # the process group, once formed (None with no rank but the learner's)
+    formed: bool = False
+    sent: int = -1  # the newest version its members have all taken
+    broken: bool = False  # did not form, or a send failed: nothing more is sent on it
+    sending: bool = False  # the sender thread is in a collective on it
 
 
 def default_backend() -> str:
@@ -72,152 +114,82 @@ def _device(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-def _make_group(address: SyncAddress, store: dist.Store, rank: int, timeout_s: float, host: str):
-    """This member's group of the epoch; gloo binds `host`, the member's own node address."""
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    return _DTYPES[dtype].itemsize * math.prod(shape)
+
+
+def _padded(n: int) -> int:
+    return n + (-n) % _ALIGN  # every tensor's offset stays aligned for the receiver's view()
+
+
+def join_group(address: SyncAddress, store: dist.Store, rank: int, host: str):
+    """Form the epoch's group now (eagerly): check in at the store, wait for every member until
+    the timeout (then raise, naming who is missing), and connect; gloo binds `host`, this
+    member's own node address."""
+    timeout = timedelta(seconds=address.timeout_s)
     prefixed = dist.PrefixStore(f"weights/epoch{address.epoch}/{address.key}", store)
-    timeout = timedelta(seconds=timeout_s)
-    if address.backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, address.world_size, options)
-    options = dist.ProcessGroupGloo._Options()
+    prefixed.set(f"member{rank}", "1")
+    keys = [f"member{r}" for r in range(address.world_size)]
+    try:
+        prefixed.wait(keys, timeout)
+    except Exception as e:
+        missing = [r for r in range(address.world_size) if not prefixed.check([f"member{r}"])]
+        raise TimeoutError(f"weight-sync epoch {address.epoch}: ranks {missing} of {address.world_size} did "
+                           f"not join {address.host}:{address.port} within {address.timeout_s:.0f}s") from e
+    if address.backend != "nccl":
+        gloo = dist.ProcessGroupGloo._Options()
+        gloo._timeout = timeout
+        # not gloo's default device, the hostname's address: that may be loopback (127.0.0.1 here)
+        gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(prefixed, rank, address.world_size, gloo)  # connects here
+    options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    # not gloo's default device, the hostname's address: that may be loopback (127.0.0.1 here)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return dist.ProcessGroupGloo(prefixed, rank, address.world_size, options)
+    saved = {k: os.environ.get(k) for k in _NCCL_ENV}
+    os.environ.update(_NCCL_ENV)  # read by this group's constructor: the learner's other groups
+    try:                          # keep their own settings
+        group = dist.ProcessGroupNCCL(prefixed, rank, address.world_size, options)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+    group.eager_connect_single_device(_device("nccl"))  # init now, not at the first broadcast
+    return group
+
+
+def destroy_group(group) -> None:
+    """Abort a group (a failed or superseded epoch's): its pending work fails, its sockets or
+    communicators are freed."""
+    try:
+        group.abort()
+    except Exception as e:  # noqa: BLE001 - already broken: nothing left to free
+        log.debug("aborting a weight-sync group: %s", e)
 
 
 def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], dist.BroadcastOptions()).wait()
 
 
-class WeightBroadcaster:
-    """Learner rank 0's side (the WeightPublisher protocol).
-
-    `open_epoch` returns the address the epoch's generators join; the group forms in the
-    background. The last published version is kept packed (one copy of the weights), and a group
-    sends it as soon as it has formed: a generator that joins, or the survivors of one that died,
-    catch up at once instead of waiting for the learner's next step, which may itself be waiting
-    for their samples. Publishing with no group only packs (a ZeRO-3 gather is collective across
-    learner ranks, so it happens anyway). Thread-safe: open_epoch may run during a learner step.
-    """
-
-    def __init__(self, host: str = LOOPBACK, backend: str | None = None,
-                 bucket_mb: float = 64.0, timeout_s: float = 120.0):
-        self.host = host
-        self.backend = backend or default_backend()
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        self.timeout_s = timeout_s
-        self._epoch = 0
-        self._group = None
-        self._store: dist.TCPStore | None = None  # the newest epoch's (clients need it alive)
-        self._last: tuple[int, list[tuple[bytes, torch.Tensor]]] | None = None
-        self._lock = threading.Lock()
-        self.last_publish_s = 0.0
-        self.last_publish_bytes = 0
-        self.failures = 0
-        self.last_error = ""
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def open_epoch(self, world_size: int) -> SyncAddress:
-        """Close the current epoch and start epoch n+1 for `world_size` members (this is rank 0)."""
-        with self._lock:
-            self._close_group()
-            self._epoch += 1
-            self._store = dist.TCPStore(self.host, 0, world_size, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=self.timeout_s))
-            address = SyncAddress(self.host, self._store.port, self._epoch, world_size, self.backend,
-                                  key=secrets.token_hex(16))
-        threading.Thread(target=self._form, args=(address, self._store), daemon=True,
-                         name=f"weights-epoch{address.epoch}").start()
-        return address
-
-    def _form(self, address: SyncAddress, store: dist.TCPStore) -> None:
-        try:
-            group = (_make_group(address, store, 0, self.timeout_s, self.host)
-                     if address.world_size > 1 else None)
-        except Exception as e:
-            with self._lock:
-                self._fail(f"weight-sync epoch {address.epoch}: not all {address.world_size} members "
-                           f"joined {address.host}:{address.port} within {self.timeout_s:.0f}s ({e}); "
-                           "the next membership epoch retries")
-            return
-        with self._lock:
-            if address.epoch == self._epoch:  # not superseded meanwhile
-                self._group = group
-                if self._last is not None:
-                    self._send_last()
-
-    def _fail(self, message: str) -> None:
-        self._group = None
-        self.failures += 1
-        self.last_error = message
-        log.error(message)
-
-    def _close_group(self) -> None:
-        """Tell the current members this epoch is over (they then join the next one)."""
-        if self._group is not None:
-            try:
-                _broadcast(self._group, torch.tensor([CLOSE, -1, 0, 0], dtype=torch.int64,
-                                                     device=_device(self.backend)))
-            except Exception as e:  # a member died: the others see the group break instead
-                log.warning("closing weight-sync epoch %d: %s", self._epoch, e)
-            self._group = None
-
-    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> bool:
-        """Broadcast full weights stamped with `version` to the current epoch's generators.
-
-        A failure (a member died) is logged and counted, never raised: the learner keeps training
-        and the launcher forms a new epoch, which then receives this version. Returns whether it
-        was sent now.
-        """
-        start = time.perf_counter()
-        packed = [(msgpack.packb(meta), torch.cat(chunks))
-                  for meta, chunks in _buckets(named_tensors, self.bucket_bytes)]
-        with self._lock:
-            self._last = (version, packed)
-            sent = self._group is not None and self._send_last()
-        self.last_publish_s = time.perf_counter() - start
-        return sent
-
-    def _send_last(self) -> bool:
-        version, packed = self._last
-        device = _device(self.backend)
-        try:
-            for meta_bytes, data in packed:
-                header = torch.tensor([BUCKET, version, len(meta_bytes), data.numel()], dtype=torch.int64)
-                _broadcast(self._group, header.to(device))
-                _broadcast(self._group, torch.frombuffer(bytearray(meta_bytes), dtype=torch.uint8).to(device))
-                _broadcast(self._group, data.to(device))
-            _broadcast(self._group, torch.tensor([END, version, 0, 0], dtype=torch.int64, device=device))
-        except Exception as e:
-            self._fail(f"weight broadcast of version {version} in epoch {self._epoch} failed: {e}")
-            return False
-        self.last_publish_bytes = sum(data.numel() for _, data in packed)
-        return True
-
-    def close(self) -> None:
-        with self._lock:
-            self._close_group()
-            self._epoch += 1  # a group still forming is dropped
-            self._store = None
+def pack(named_tensors: Iterable[tuple[str, torch.Tensor]],
+         bucket_bytes: int) -> tuple[list[list[Param]], list[torch.Tensor]]:
+    """Tensors as flat uint8 buckets of about bucket_bytes: (per bucket its params, the buckets)."""
+    metas, buckets = [], []
+    for meta, chunks in _buckets(named_tensors, bucket_bytes):
+        metas.append(meta)
+        buckets.append(torch.cat(chunks))
+    return metas, buckets
 
 
 def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[tuple[list, list]]:
-    """Group tensors into (meta, [uint8 chunks]) of about bucket_bytes each."""
-    meta: list = []
+    meta: list[Param] = []
     chunks: list[torch.Tensor] = []
     size = 0
     for name, tensor in named_tensors:
         t = tensor.detach().contiguous().cpu()
         meta.append((name, str(t.dtype), list(t.shape)))
         raw = t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        chunks.append(raw)
-        if raw.numel() % _ALIGN:  # keep every tensor's offset aligned for the receiver's view()
-            chunks.append(torch.zeros(_ALIGN - raw.numel() % _ALIGN, dtype=torch.uint8))
+        chunks += [raw, torch.zeros(_padded(raw.numel()) - raw.numel(), dtype=torch.uint8)]
         size += raw.numel()
         if size >= bucket_bytes:
             yield meta, chunks
@@ -226,47 +198,224 @@ def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: in
         yield meta, chunks
 
 
-class WeightReceiver:
-    """A generator's side of one epoch: `receive()` blocks until the next full update.
+class WeightBroadcaster:
+    """Learner rank 0's side (the WeightPublisher protocol).
 
-    Returns None when the learner closed the epoch (a new one follows). `host`: this member's
-    own node address, which gloo binds (loopback unless the epoch spans nodes).
+    `open_epoch(world_size, notify)` returns the address the epoch's members join; the group
+    forms in a thread of its own. `notify(meta)` is the launcher's RPC to every member of the
+    epoch: it makes each one enter the update's broadcasts, and returns a function that waits
+    for them all (raising if one failed). The last published version is kept packed, and a group
+    that forms is sent it at once: a member that joins, or the survivors of one that died, catch
+    up without waiting for the learner's next step, which may itself be waiting for their
+    samples. Publishing with no formed group only packs (a ZeRO-3 gather is collective across
+    learner ranks, so it happens anyway).
     """
 
-    def __init__(self, address: SyncAddress, rank: int, timeout_s: float = 24 * 3600.0,
-                 host: str = LOOPBACK):
+    def __init__(self, host: str = LOOPBACK, backend: str | None = None,
+                 bucket_mb: float = 64.0, timeout_s: float = 60.0):
+        self.host = host
+        self.backend = backend or default_backend()
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.timeout_s = timeout_s
+        self._epoch = 0
+        self._current: _Epoch | None = None
+        self._last: tuple[int, list[list[Param]], list[torch.Tensor]] | None = None
+        self._state = threading.Condition()  # guards the fields above; never held in a collective
+        self._closed = False
+        self.last_publish_s = 0.0  # the learner's share of the newest publish (packing)
+        self.last_publish_bytes = 0  # the newest delivered update's
+        self.failures = 0
+        self.last_error = ""
+        threading.Thread(target=self._send_loop, name="weights-send", daemon=True).start()
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def open_epoch(self, world_size: int, notify: Callable[[UpdateMeta], Callable[[], None]]) -> SyncAddress:
+        """Start epoch n+1 for `world_size` ranks (this is rank 0); the current one is let go."""
+        with self._state:
+            self._epoch += 1
+            store = dist.TCPStore(self.host, 0, world_size, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=self.timeout_s))
+            address = SyncAddress(self.host, store.port, self._epoch, world_size, self.backend,
+                                  key=secrets.token_hex(16), timeout_s=self.timeout_s)
+            old, self._current = self._current, _Epoch(address, store, notify)
+            epoch = self._current
+        self._retire(old)
+        threading.Thread(target=self._form, args=(epoch,), daemon=True, name=f"weights-epoch{address.epoch}").start()
+        return address
+
+    def _form(self, epoch: _Epoch) -> None:
+        try:
+            group = join_group(epoch.address, epoch.store, 0, self.host) if epoch.address.world_size > 1 else None
+        except Exception as e:  # noqa: BLE001 - counted; the launcher forms the next epoch
+            self._fail(epoch, f"{e}; the next membership epoch retries")
+            return
+        with self._state:
+            epoch.group, epoch.formed = group, True
+            self._state.notify_all()
+        self._retire(epoch)  # if superseded while forming
+
+    def _retire(self, epoch: _Epoch | None) -> None:
+        """Destroy a superseded epoch's group, unless the sender is in a collective on it (the
+        sender retires it when that ends)."""
+        with self._state:
+            if epoch is None or epoch is self._current or epoch.sending or epoch.group is None:
+                return
+            group, epoch.group, epoch.broken = epoch.group, None, True
+        destroy_group(group)
+
+    def _fail(self, epoch: _Epoch, message: str) -> None:
+        with self._state:
+            epoch.broken = True
+            self._state.notify_all()
+            if epoch is not self._current:  # superseded meanwhile: its failure changes nothing
+                return
+            self.failures += 1
+            self.last_error = message
+        log.error(message)
+
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Pack full weights stamped with `version` and hand them to the sender thread, which
+        sends them to the current epoch's members while the learner goes on (`last_publish_s` is
+        the learner's share: the packing). A failure (a member died) is logged and counted,
+        never raised: the launcher forms a new epoch, which then receives the newest version."""
+        start = time.perf_counter()
+        metas, buckets = pack(named_tensors, self.bucket_bytes)
+        with self._state:
+            self._last = (version, metas, buckets)
+            self._state.notify_all()
+        self.last_publish_s = time.perf_counter() - start
+
+    def _due(self) -> _Epoch | None:
+        epoch = self._current
+        if (epoch is None or not epoch.formed or epoch.broken or self._last is None
+                or epoch.sent >= self._last[0]):
+            return None
+        return epoch
+
+    def _send_loop(self) -> None:
+        """The one thread that sends: the newest version to the current epoch, whenever it has
+        not got it yet (a new group, or a new publish)."""
+        while True:
+            with self._state:
+                self._state.wait_for(lambda: self._closed or self._due() is not None)
+                if self._closed:
+                    return
+                epoch, (version, metas, buckets) = self._due(), self._last
+                epoch.sending = True
+                self._state.notify_all()
+            self._send(epoch, UpdateMeta(epoch.address.epoch, version, metas), buckets)
+
+    def _send(self, epoch: _Epoch, meta: UpdateMeta, buckets: list[torch.Tensor]) -> None:
+        device = _device(self.backend)
+        try:
+            members_done = epoch.notify(meta)  # members of no rank (that need only the version) too
+            for bucket in buckets if epoch.group is not None else ():
+                _broadcast(epoch.group, bucket.to(device))
+            members_done()
+        except Exception as e:  # noqa: BLE001 - a member died or failed: counted, the epoch aborted
+            destroy_group(epoch.group)
+            self._fail(epoch, f"weight broadcast of version {meta.version} in epoch {meta.epoch} failed: {e}")
+            with self._state:
+                epoch.sending, epoch.group = False, None
+                self._state.notify_all()
+            return
+        with self._state:
+            epoch.sent, epoch.sending = meta.version, False
+            self.last_publish_bytes = sum(b.numel() for b in buckets)
+            self._state.notify_all()
+        self._retire(epoch)
+
+    def close(self) -> None:
+        with self._state:
+            self._closed = True
+            epoch, self._current = self._current, None
+            self._state.notify_all()
+        self._retire(epoch)
+
+
+class WeightReceiver:
+    """A member's side of one epoch: joins (forms the group) at construction, then `receive(meta)`
+    takes one update when the learner's RPC brings its meta, and `close()` leaves. `host`: this
+    member's own node address, which gloo binds (loopback unless the epoch spans nodes)."""
+
+    def __init__(self, address: SyncAddress, rank: int, host: str = LOOPBACK):
         if not 0 < rank < address.world_size:
-            raise ValueError(f"generator rank must be in 1..{address.world_size - 1}, got {rank}")
+            raise ValueError(f"weight-sync member rank must be in 1..{address.world_size - 1}, got {rank}")
         self.address = address
         self._store = dist.TCPStore(address.host, address.port, address.world_size, is_master=False,
-                                    timeout=timedelta(seconds=120))
-        self._group = _make_group(address, self._store, rank, timeout_s, host)
+                                    timeout=timedelta(seconds=address.timeout_s))
+        self._group = join_group(address, self._store, rank, host)
         self._device = _device(address.backend)
 
-    def _recv(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.empty(numel, dtype=dtype, device=self._device)
-        _broadcast(self._group, t)
-        return t
-
-    def receive(self) -> WeightUpdate | None:
+    def receive(self, meta: UpdateMeta) -> WeightUpdate:
+        if meta.epoch != self.address.epoch:
+            raise RuntimeError(f"an update for weight-sync epoch {meta.epoch} reached a member of epoch "
+                               f"{self.address.epoch}: the launcher must join members to the epoch first")
         named: list[tuple[str, torch.Tensor]] = []
-        nbytes = 0
-        start = None
-        while True:
-            kind, version, meta_n, data_n = self._recv(4, torch.int64).tolist()
-            start = start or time.perf_counter()
-            if kind == CLOSE:
-                return None
-            if kind == END:
-                return WeightUpdate(version, named, time.perf_counter() - start, nbytes)
-            if kind != BUCKET:
-                raise RuntimeError(f"weight sync: unexpected header kind {kind} (protocol mismatch)")
-            meta = msgpack.unpackb(self._recv(meta_n, torch.uint8).cpu().numpy().tobytes())
-            data = self._recv(data_n, torch.uint8)
-            nbytes += data_n
+        start, nbytes = time.perf_counter(), 0
+        for i, params in enumerate(meta.buckets):
+            data = torch.empty(meta.bucket_nbytes(i), dtype=torch.uint8, device=self._device)
+            _broadcast(self._group, data)
+            nbytes += data.numel()
             offset = 0
-            for name, dtype, shape in meta:
-                dt = _DTYPES[dtype]
-                n = dt.itemsize * math.prod(shape)
-                named.append((name, data[offset:offset + n].view(dt).view(shape)))
-                offset += n + (-n) % _ALIGN
+            for name, dtype, shape in params:
+                n = _nbytes(dtype, shape)
+                named.append((name, data[offset:offset + n].view(_DTYPES[dtype]).view(shape)))
+                offset += _padded(n)
+        return WeightUpdate(meta.version, named, time.perf_counter() - start, nbytes)
+
+    def close(self) -> None:
+        destroy_group(self._group)
+
+
+class StagedReceiver:
+    """A member's receiving end across epochs, held where the weights load (a vLLM worker, a
+    transformers engine): it joins each epoch (leaving the previous one), and receives each
+    update to load it at once, or to keep it by version until `load` picks it (an update that
+    must wait for its safe point must not hold up the learner's broadcast)."""
+
+    def __init__(self, load_fn: Callable[[list[tuple[str, torch.Tensor]], int], None]):
+        self._load_fn = load_fn
+        self._receiver: WeightReceiver | None = None
+        # by version (the caller's `keep` lets go of those from before a learner restart)
+        self._staged: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self._lock = threading.Lock()  # receive and load may run in two threads
+
+    def join(self, address: SyncAddress, rank: int, host: str = LOOPBACK) -> None:
+        old, self._receiver = self._receiver, None
+        if old is not None:
+            old.close()
+        self._receiver = WeightReceiver(address, rank, host)
+
+    def receive(self, meta: UpdateMeta, load: bool, keep: Iterable[int] = ()) -> int:
+        """Take one update (the learner is broadcasting it now) and load it, or stage it, letting
+        go of the staged versions not in `keep`; returns its bytes."""
+        if self._receiver is None:
+            raise RuntimeError(f"weight update {meta.version} arrived before this member joined an epoch")
+        update = self._receiver.receive(meta)
+        if load:
+            self._load_fn(update.named_tensors, update.version)
+            return update.nbytes
+        keep = set(keep)
+        with self._lock:
+            self._staged = {v: t for v, t in self._staged.items() if v in keep}
+            self._staged[update.version] = update.named_tensors
+        return update.nbytes
+
+    def load(self, version: int) -> None:
+        """Load staged `version`; older staged versions are let go."""
+        with self._lock:
+            if version not in self._staged:
+                raise KeyError(f"weight version {version} is not staged here (staged: {sorted(self._staged)})")
+            named_tensors = self._staged[version]
+            self._staged = {v: t for v, t in self._staged.items() if v > version}
+        self._load_fn(named_tensors, version)
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+        with self._lock:
+            self._staged.clear()

@@ -3,6 +3,7 @@ log-probs of sampled tokens under the sampling distribution, n samples per promp
 in-place weight updates, and updates in flight (between two engine steps) with per-token
 versions."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -183,6 +184,94 @@ def test_hf_engine_top_p_logprobs_are_of_the_nucleus(tiny_actor_model, prompts):
     full = _recompute(model, prompts[0], group[0], 1.0)
     # Renormalised over the nucleus: at least as likely as under the full distribution.
     assert np.all(group[0].behavior_logprobs >= full - 1e-5)
+
+
+def test_staged_updates_wait_in_the_engine_until_one_is_loaded(tiny_actor_model):
+    """The staged path (between_groups, weight_lag, the evaluator) on the transformers engine:
+    each update is received when the learner sends it and kept by version; the caller loads the
+    one it picks, older ones are let go, and `keep` holds on to those still due."""
+    import threading
+
+    from async_rlhf.weight_sync import WeightBroadcaster
+
+    engine = HFEngine(tiny_actor_model, max_new_tokens=4)
+    original = _hf_model(tiny_actor_model).state_dict()
+    sender = WeightBroadcaster(timeout_s=60)
+    keep: set[int] = set()
+
+    def notify(meta):  # the member takes each update now, staged
+        receiving = threading.Thread(target=engine.receive_weights, args=(meta, False, set(keep)))
+        receiving.start()
+        return receiving.join
+
+    engine.join_weight_sync(sender.open_epoch(1 + engine.sync_ranks, notify), rank=1)
+    with sender._state:
+        assert sender._state.wait_for(lambda: sender._current.group is not None, 60)
+    embed = "model.embed_tokens.weight"
+    for version, keep_now in ((1, set()), (2, {1}), (3, {1})):  # 2 is let go when 3 arrives
+        keep.clear()
+        keep.update(keep_now)
+        sender.publish(((k, v * version) for k, v in original.items()), version=version)
+        with sender._state:
+            assert sender._state.wait_for(lambda: sender._current.sent == version, 60)
+    assert engine.policy_version == 0  # nothing loaded yet
+    engine.load_staged(1)
+    assert engine.policy_version == 1 and engine.model.model.embed_tokens.weight.equal(original[embed])
+    with pytest.raises(KeyError, match=r"version 2 is not staged here \(staged: \[3\]\)"):
+        engine.load_staged(2)
+    engine.load_staged(3)
+    assert engine.policy_version == 3 and engine.model.model.embed_tokens.weight.equal(3 * original[embed])
+    sender.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("in_process", [False, True], ids=["engine-core-process", "in-process"])
+def test_weights_go_straight_into_the_vllm_workers(tiny_actor_model, prompts, in_process):
+    """The learner's broadcast reaches the vLLM worker itself: with the engine core in its own
+    process (as on GPU) the RPC carries only the plain metadata, and greedy output then equals
+    transformers' for the new weights."""
+    import threading
+
+    import msgpack
+
+    from actors.engines.vllm_engine import VLLMEngine
+    from async_rlhf.weight_sync import WeightBroadcaster
+
+    engine = VLLMEngine(tiny_actor_model, max_new_tokens=MAX_NEW, seed=0, in_process=in_process)
+    sender = WeightBroadcaster(bucket_mb=0.05, timeout_s=60)  # several buckets
+    try:
+        original = _hf_model(tiny_actor_model).state_dict()
+        gen = torch.Generator().manual_seed(1)
+        new = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in original.items()}
+        before = [g[0].response_ids.tolist() for g in engine.generate(prompts, 1, greedy=True)]
+        metas, receiving = [], []
+
+        def notify(meta):  # the launcher's RPC to the member: metadata only
+            metas.append(msgpack.packb(dataclasses.asdict(meta)))  # plain data, no tensor in it
+            receiving.append(threading.Thread(target=engine.receive_weights, args=(meta, True)))
+            receiving[-1].start()
+            return receiving[-1].join
+
+        address = sender.open_epoch(1 + engine.sync_ranks, notify)
+        engine.join_weight_sync(address, rank=1)
+        with sender._state:  # the learner's side of the group is up too
+            assert sender._state.wait_for(lambda: sender._current.group is not None, 60)
+        sender.publish(new.items(), version=5)
+        with sender._state:  # until the member has taken it
+            assert sender._state.wait_for(lambda: sender._current.sent == 5, 60)
+        assert engine.policy_version == 5
+        assert len(metas) == 1 and len(metas[0]) < 10_000 < sender.last_publish_bytes
+        after = [g[0].response_ids.tolist() for g in engine.generate(prompts, 1, greedy=True)]
+        model = _hf_model(tiny_actor_model, new)
+        eos = engine.eos_token_id
+        for p, got in zip(prompts, after):
+            out = model.generate(torch.tensor([p.token_ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=0)[0, len(p.token_ids):].tolist()
+            assert got == (out[: out.index(eos) + 1] if eos in out else out)
+        assert after != before
+    finally:
+        sender.close()
+        engine.close()
 
 
 def test_vllm_settings_resolve_auto_per_device():

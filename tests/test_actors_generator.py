@@ -105,7 +105,7 @@ def test_new_groups_never_overtake_old_ones_in_the_stream(tiny_actor_model):
     deadline = time.time() + 30
     while gen.stats().groups < 3 and time.time() < deadline:  # version 0's short groups
         time.sleep(0.001)
-    gen.apply_weights([], version=1)
+    gen.apply_weights(lambda: engine.update_weights([], version=1))
     while len({g.policy_version for g in queue.items}) < 2 and time.time() < deadline:
         time.sleep(0.001)
     stop.set()
@@ -233,10 +233,10 @@ def test_gate_wait_and_weights_at_the_safe_point(vllm_engine, tiny_actor_model):
     from transformers import AutoModelForCausalLM
 
     weights = AutoModelForCausalLM.from_pretrained(tiny_actor_model).state_dict()
-    gen.apply_weights(weights.items(), version=1)  # the gate admits version 1 weights again
+    gen.apply_weights(lambda: vllm_engine.update_weights(weights.items(), 1))  # the gate admits version 1 weights again
     while gen.stats().groups < 8 and time.time() < deadline:
         time.sleep(0.01)
-    gen.apply_weights(weights.items(), version=2)
+    gen.apply_weights(lambda: vllm_engine.update_weights(weights.items(), 2))
     runner.join(60)
     assert not runner.is_alive()
     assert [t.policy_version for t in queue.samples()] == [0] * 8 + [1] * 8 + [2] * 8
@@ -409,7 +409,7 @@ def test_weight_update_in_flight_or_between_groups(
         deadline = time.time() + 60
         while gen.stats().groups < 4 and time.time() < deadline:
             time.sleep(0.01)
-        gen.apply_weights(weights.items(), version=old + 1)
+        gen.apply_weights(lambda: vllm_engine.update_weights(weights.items(), old + 1))
         while gen.stats().groups < 16 and time.time() < deadline:
             time.sleep(0.01)
     finally:

@@ -4,6 +4,8 @@ broadcast and flash-attention 2 in the learner. Marked `gpu`: skipped on a machi
 
 import math
 import multiprocessing as mp
+import os
+import signal
 
 import pytest
 import torch
@@ -24,28 +26,59 @@ def _summary(named_tensors) -> list[tuple]:
     return [(n, t.dtype, tuple(t.shape), round(t.float().sum().item(), 3)) for n, t in named_tensors]
 
 
-def _member_on_gpu_1(addresses, results):
+def _member_on_gpu_1(commands, results):
     torch.cuda.set_device(1)  # NCCL wants one GPU per member
-    receiver = WeightReceiver(addresses.get(timeout=60), 1, timeout_s=60)
-    update = receiver.receive()
+    receiver = WeightReceiver(*commands.get(timeout=60))  # joins: the group forms eagerly
+    update = receiver.receive(commands.get(timeout=60))
     results.put((update.version, str(update.named_tensors[0][1].device), _summary(update.named_tensors)))
+    receiver.close()
 
 
 def test_nccl_broadcast_reaches_a_member_on_another_gpu():
     if torch.cuda.device_count() < 2:
         pytest.skip(f"NCCL needs a GPU per member: {torch.cuda.device_count()} here")
     ctx = mp.get_context("spawn")
-    addresses, results = ctx.Queue(), ctx.Queue()
-    member = ctx.Process(target=_member_on_gpu_1, args=(addresses, results), daemon=True)
+    commands, results = ctx.Queue(), ctx.Queue()
+    member = ctx.Process(target=_member_on_gpu_1, args=(commands, results), daemon=True)
     member.start()
     sender = WeightBroadcaster(timeout_s=60)
     assert sender.backend == "nccl"  # chosen by device
     sender.publish(_weights(4), version=4)  # kept until the group forms
-    addresses.put(sender.open_epoch(world_size=2))
+
+    def notify(meta):
+        commands.put(meta)
+        return lambda: None
+
+    commands.put((sender.open_epoch(2, notify), 1))
     version, device, got = results.get(timeout=120)
     assert (version, device) == (4, "cuda:1") and got == _summary(_weights(4))
     sender.close()
     member.join(30)
+
+
+def _member_that_dies_on_gpu_1(commands):
+    torch.cuda.set_device(1)
+    WeightReceiver(*commands.get(timeout=60))
+    os.kill(os.getpid(), signal.SIGKILL)  # joined, then dead before the first update
+
+
+def test_nccl_member_death_is_a_counted_failure_not_the_learners():
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING=2 and blocking wait: the broadcast to a dead member
+    raises in the sender (after the timeout) instead of the watchdog ending this process."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"NCCL needs a GPU per member: {torch.cuda.device_count()} here")
+    ctx = mp.get_context("spawn")
+    commands = ctx.Queue()
+    member = ctx.Process(target=_member_that_dies_on_gpu_1, args=(commands,), daemon=True)
+    member.start()
+    sender = WeightBroadcaster(timeout_s=10)
+    commands.put((sender.open_epoch(2, lambda meta: lambda: None), 1))
+    with sender._state:
+        sender._state.wait_for(lambda: sender._current.group is not None, 60)
+    member.join(60)
+    assert not sender.publish(_weights(1), version=1)
+    assert sender.failures == 1 and "version 1 in epoch 1 failed" in sender.last_error
+    sender.close()
 
 
 def test_bf16_learner_uses_flash_attention_and_trains(tiny_actor_model):

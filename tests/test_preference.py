@@ -12,6 +12,7 @@ from helpers import VOCAB, EngineGate
 
 from async_rlhf.synthetic import random_groups
 from async_rlhf.types import Group, Received
+from async_rlhf.weight_sync import UpdateMeta
 from learners.batch import Batch
 from learners.losses import sequence_logprob
 from learners.preference import CHOSEN, REJECTED, best_of_group_roles, preference_roles
@@ -123,7 +124,7 @@ def test_preference_records_become_pairs_at_the_gate_and_bad_ones_are_dead_lette
         time.sleep(0.3)
         assert queue.stats().backlog == 2  # the gate holds the rest back
         gate.step_trained(4)
-        producer.apply_weights((), 1)
+        producer.apply_weights(lambda: producer.engine.receive_weights(UpdateMeta(1, 1, []), load=True))
         _wait(lambda: queue.stats().backlog == 4, "two more pairs at version 1")
     finally:
         stop.set()

@@ -1,14 +1,18 @@
-"""Weight broadcast over real gloo process groups between real processes."""
+"""Weight broadcast over real gloo process groups between real processes: the learner drives
+each update (metadata to the members, then the broadcasts), groups form eagerly, and a member
+that dies mid-update costs one counted failure, not the publisher."""
 
 import multiprocessing as mp
-import time
+import os
+import queue
+import signal
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from async_rlhf.weight_sync import WeightBroadcaster, WeightReceiver
+from async_rlhf.weight_sync import UpdateMeta, WeightBroadcaster, WeightReceiver
 
 
 def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
@@ -21,80 +25,176 @@ def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _member(addresses, results, rank_of, host="127.0.0.1"):
-    """Join each epoch address from `addresses` until None, binding `host`; report what arrives."""
-    while (address := addresses.get(timeout=60)) is not None:
-        receiver = WeightReceiver(address, rank_of(address), timeout_s=60, host=host)
-        while (update := receiver.receive()) is not None:
-            results.put((address.epoch, update.version,
-                         [(n, t.dtype, tuple(t.shape), t.float().sum().item()) for n, t in update.named_tensors]))
-        results.put((address.epoch, "closed", None))
+def _summary(named_tensors):
+    return [(n, t.dtype, tuple(t.shape), t.float().sum().item()) for n, t in named_tensors]
 
 
-def _expected(version):
-    return [(n, t.dtype, tuple(t.shape), t.float().sum().item()) for n, t in _weights(version)]
+def _member(name, commands, out, acks, die_at=None):
+    """Follow commands: ("join", address, rank[, host]), ("update", meta), None to end. Reports what
+    arrives on `out` and acks each update (the RPC's return). At version `die_at` it takes the
+    first bucket and is SIGKILLed mid-update."""
+    receiver = None
+    while (command := commands.get(timeout=120)) is not None:
+        if command[0] == "join":
+            if receiver is not None:
+                receiver.close()
+            receiver = WeightReceiver(*command[1:])
+            continue
+        meta = command[1]
+        try:
+            if meta.version == die_at:
+                receiver.receive(UpdateMeta(meta.epoch, meta.version, meta.buckets[:1]))
+                os.kill(os.getpid(), signal.SIGKILL)
+            update = receiver.receive(meta)
+        except Exception as e:  # noqa: BLE001 - the group broke: the test's next epoch follows
+            out.put((name, meta.epoch, "broken", type(e).__name__))
+            acks.put(name)
+            continue
+        out.put((name, meta.epoch, update.version, _summary(update.named_tensors)))
+        acks.put(name)
 
 
-def _rank_1(address):
-    return 1
+class _Members:
+    """Member processes and the `notify` RPC the launcher would make (a queue per member): its
+    wait returns once every member acked the update, and raises if one died first (as a Ray
+    call to a dead actor does)."""
+
+    def __init__(self, *specs):
+        ctx = mp.get_context("spawn")
+        self.out, self.acks = ctx.Queue(), ctx.Queue()
+        self.queues = {name: ctx.Queue() for name, _ in specs}
+        self.procs = {name: ctx.Process(target=_member, args=(name, self.queues[name], self.out, self.acks, die_at),
+                                        daemon=True)
+                      for name, die_at in specs}
+        for p in self.procs.values():
+            p.start()
+
+    def notify(self, names):
+        def notify(meta):
+            for name in names:
+                self.queues[name].put(("update", meta))
+            return lambda: self._wait_acks(set(names))
+
+        return notify
+
+    def open(self, sender, names):
+        address = sender.open_epoch(len(names) + 1, self.notify(names))
+        for rank, name in enumerate(names, start=1):
+            self.queues[name].put(("join", address, rank))
+        return address
+
+    def _wait_acks(self, waiting):
+        while waiting:
+            try:
+                waiting.discard(self.acks.get(timeout=0.1))
+            except queue.Empty:
+                if dead := [n for n in waiting if self.procs[n].exitcode is not None]:
+                    raise RuntimeError(f"member {dead[0]} died") from None
+
+    def get(self, n):
+        return sorted((self.out.get(timeout=120) for _ in range(n)), key=str)
+
+    def stop(self):
+        for name, q in self.queues.items():
+            if self.procs[name].is_alive():
+                q.put(None)
+        for p in self.procs.values():
+            p.join(30)
 
 
-def _rank_last(address):
-    return address.world_size - 1
+def _delivered(sender, version):
+    """Wait until every member of the current epoch has taken `version`."""
+    with sender._state:
+        assert sender._state.wait_for(lambda: sender._current.sent >= version, 60)
 
 
 @pytest.fixture
-def ctx():
-    return mp.get_context("spawn")
+def members(request):
+    group = _Members(*request.param)
+    yield group
+    group.stop()
 
 
-def test_versions_reach_every_member_across_epochs(ctx):
+@pytest.mark.parametrize("members", [[("a", None), ("b", None)]], indirect=True)
+def test_versions_reach_every_member_across_epochs(members):
     sender = WeightBroadcaster(bucket_mb=0.01, timeout_s=60)  # 10 KB buckets: several per publish
-    a_in, b_in, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    a = ctx.Process(target=_member, args=(a_in, out, _rank_1), daemon=True)
-    a.start()
     sender.publish(_weights(1), version=1)  # no group yet: kept for whoever joins
-    a_in.put(sender.open_epoch(world_size=2))
-    assert out.get(timeout=60) == (1, 1, _expected(1))  # caught up as soon as the group formed
-    assert sender.publish(_weights(2), version=2)
-    assert out.get(timeout=60) == (1, 2, _expected(2))
+    members.open(sender, ["a"])
+    assert members.get(1) == [("a", 1, 1, _summary(_weights(1)))]  # caught up once the group formed
+    sender.publish(_weights(2), version=2)
+    assert members.get(1) == [("a", 1, 2, _summary(_weights(2)))]
+    _delivered(sender, 2)
     assert sender.last_publish_bytes > 0 and sender.last_publish_s > 0
 
-    # A second generator joins: a new epoch with 3 members replaces the first, and both members
-    # get the newest version at once.
-    b = ctx.Process(target=_member, args=(b_in, out, _rank_last), daemon=True)
-    b.start()
-    address = sender.open_epoch(world_size=3)
-    a_in.put(address)
-    b_in.put(address)
-    got = sorted((out.get(timeout=60) for _ in range(3)), key=str)
-    assert got == sorted([(1, "closed", None), (2, 2, _expected(2)), (2, 2, _expected(2))], key=str)
-    assert sender.publish(_weights(3), version=3)
-    assert [out.get(timeout=60) for _ in range(2)] == [(2, 3, _expected(3))] * 2
-
+    # A second member joins: a new epoch with 3 ranks replaces the first, and both get the
+    # newest version at once.
+    members.open(sender, ["a", "b"])
+    assert members.get(2) == [("a", 2, 2, _summary(_weights(2))), ("b", 2, 2, _summary(_weights(2)))]
+    sender.publish(_weights(3), version=3)
+    assert members.get(2) == [("a", 2, 3, _summary(_weights(3))), ("b", 2, 3, _summary(_weights(3)))]
+    assert sender.failures == 0
     sender.close()
-    assert sorted(out.get(timeout=60) for _ in range(2)) == [(2, "closed", None)] * 2
-    a_in.put(None)
-    b_in.put(None)
-    a.join(30)
-    b.join(30)
+
+
+@pytest.mark.parametrize("members", [[("a", None), ("b", 2)]], indirect=True)
+def test_member_killed_during_a_broadcast_costs_one_failure_and_the_next_epoch_forms_without_it(members):
+    sender = WeightBroadcaster(bucket_mb=0.01, timeout_s=30)
+    sender.publish(_weights(1), version=1)
+    members.open(sender, ["a", "b"])
+    assert members.get(2) == [("a", 1, 1, _summary(_weights(1))), ("b", 1, 1, _summary(_weights(1)))]
+
+    sender.publish(_weights(2), version=2)  # b dies after its first bucket
+    with sender._state:
+        sender._state.wait_for(lambda: sender.failures, 60)  # seen in the broadcast, or the RPC's wait
+    members.procs["b"].join(30)
+    assert members.procs["b"].exitcode == -signal.SIGKILL
+    assert sender.failures == 1 and "version 2 in epoch 1 failed: member b died" in sender.last_error
+    assert members.get(1)[0][:2] == ("a", 1)  # the survivor's update: received, or broken
+
+    members.open(sender, ["a"])  # the launcher's next epoch, without b: it gets version 2 at once
+    assert members.get(1) == [("a", 2, 2, _summary(_weights(2)))]
+    sender.publish(_weights(3), version=3)
+    assert members.get(1) == [("a", 2, 3, _summary(_weights(3)))]
+    _delivered(sender, 3)
+    assert sender.failures == 1
+    sender.close()
 
 
 def test_member_that_never_joins_is_reported_and_publish_goes_on():
     sender = WeightBroadcaster(timeout_s=2)
-    address = sender.open_epoch(world_size=2)
-    assert not sender.publish(_weights(1), version=1)  # the group has not formed
-    deadline = time.monotonic() + 30
-    while sender.failures == 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    address = sender.open_epoch(world_size=2, notify=lambda meta: lambda: None)
+    sender.publish(_weights(1), version=1)  # the group has not formed: kept
+    with sender._state:
+        sender._state.wait_for(lambda: sender.failures, 30)
     assert sender.failures == 1
-    assert f"not all 2 members joined 127.0.0.1:{address.port}" in sender.last_error
+    assert f"ranks [1] of 2 did not join 127.0.0.1:{address.port} within 2s" in sender.last_error
+
+
+@pytest.mark.parametrize("members", [[("a", None)]], indirect=True)
+def test_a_send_in_flight_holds_no_lock_that_open_epoch_or_publish_need(members):
+    """A member that joined but never enters the update (its RPC lost) blocks the send until the
+    timeout; meanwhile the learner publishes and the next epoch opens."""
+    sender = WeightBroadcaster(timeout_s=10)
+    address = sender.open_epoch(2, notify=lambda meta: lambda: None)  # nobody is told of updates
+    members.queues["a"].put(("join", address, 1))
+    sender.publish(_weights(1), version=1)
+    with sender._state:
+        assert sender._state.wait_for(lambda: sender._current.sending, 60)
+    first = sender._current
+    sender.publish(_weights(2), version=2)
+    assert sender.open_epoch(1, notify=lambda meta: lambda: None).epoch == 2  # while the send is stuck
+    assert first.sending  # still in the broadcast
+    with sender._state:
+        sender._state.wait_for(lambda: not first.sending, 60)
+    assert first.broken and first.group is None  # timed out, aborted
+    assert sender.failures == 0  # a superseded epoch's failure is no reason for another one
+    sender.close()
 
 
 def test_publish_without_generators_consumes_the_iterator():
     sender = WeightBroadcaster()
     seen = []
-    assert not sender.publish(((n, t) for n, t in _weights(1) if not seen.append(n)), version=1)
+    sender.publish(((n, t) for n, t in _weights(1) if not seen.append(n)), version=1)
     assert len(seen) == 4
 
 
@@ -105,34 +205,30 @@ def _outsider(host, port, epoch, results):
     try:
         group = dist.ProcessGroupGloo(dist.PrefixStore(f"weights/epoch{epoch}", store), 1, 2,
                                       timedelta(seconds=5))
-        header = torch.empty(4, dtype=torch.int64)
-        group.broadcast([header], dist.BroadcastOptions()).wait()
-        results.put(("joined", header.tolist()))
+        data = torch.empty(16, dtype=torch.uint8)
+        group.broadcast([data], dist.BroadcastOptions()).wait()
+        results.put(("joined", data.tolist()))
     except RuntimeError as e:
         results.put(("refused", str(e)[:200]))
 
 
-def test_only_the_epochs_members_join_and_each_binds_its_own_address(ctx):
+@pytest.mark.parametrize("members", [[("a", None)]], indirect=True)
+def test_only_the_epochs_members_join_and_each_binds_its_own_address(members):
     """The store listens beyond loopback on a node that other nodes reach: an outsider who knows
     the address and epoch number does not get into the group, while a member given the epoch's
     key joins, its gloo device bound to its own address (127.0.0.3; the learner's 127.0.0.2)."""
     sender = WeightBroadcaster(host="127.0.0.2", timeout_s=60)
     sender.publish(_weights(1), version=1)
-    address = sender.open_epoch(world_size=2)
+    address = sender.open_epoch(2, members.notify(["a"]))
     assert address.host == "127.0.0.2" and len(address.key) == 32
-    out = ctx.Queue()
-    outsider = ctx.Process(target=_outsider, args=(address.host, address.port, address.epoch, out))
+    out = mp.get_context("spawn").Queue()
+    outsider = mp.get_context("spawn").Process(target=_outsider, args=(address.host, address.port, address.epoch, out))
     outsider.start()
     verdict, detail = out.get(timeout=60)
     assert verdict == "refused", detail
     outsider.join(30)
 
-    member_in = ctx.Queue()
-    member = ctx.Process(target=_member, args=(member_in, out, _rank_1, "127.0.0.3"), daemon=True)
-    member.start()
-    member_in.put(address)
-    assert out.get(timeout=60) == (1, 1, _expected(1))
+    members.queues["a"].put(("join", address, 1, "127.0.0.3"))
+    assert members.get(1) == [("a", 1, 1, _summary(_weights(1)))]
+    assert sender.failures == 0
     sender.close()
-    assert out.get(timeout=60) == (1, "closed", None)
-    member_in.put(None)
-    member.join(30)

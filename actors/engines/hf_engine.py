@@ -29,7 +29,9 @@ import numpy as np
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from async_rlhf.procs import LOOPBACK
 from async_rlhf.types import Prompt, Sample, VersionSpans
+from async_rlhf.weight_sync import StagedReceiver, SyncAddress, UpdateMeta
 
 
 def _before_stop(text: str, stop: Sequence[str]) -> str | None:
@@ -90,6 +92,7 @@ class HFEngine:
         ends = [ends] if isinstance(ends, int) else list(ends or [])
         self.end_token_ids = list(dict.fromkeys([self.eos_token_id, *ends]))  # vLLM stops at these
         self.pad_token_id = self.tokenizer.pad_token_id
+        self._sync = StagedReceiver(self.update_weights)
         self._version = 0
         self._submitted: dict[str, tuple[Prompt, int]] = {}
 
@@ -168,6 +171,17 @@ class HFEngine:
             version_spans=spans,
             text=_before_stop(text, self.stop) if stopped else text,
         )
+
+    sync_ranks = 1  # this process receives the weight broadcasts
+
+    def join_weight_sync(self, address: SyncAddress, rank: int, host: str = LOOPBACK) -> None:
+        self._sync.join(address, rank, host)
+
+    def receive_weights(self, meta: UpdateMeta, load: bool, keep: Iterable[int] = ()) -> int:
+        return self._sync.receive(meta, load, keep)
+
+    def load_staged(self, version: int) -> None:
+        self._sync.load(version)
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

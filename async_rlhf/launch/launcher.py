@@ -339,28 +339,37 @@ class Job:
                                "generator.max_restarts spent (see the errors above)")
 
     def _new_epoch(self) -> None:
-        """Form a weight-sync group of the learner and the live generators. It forms in the
-        background, also during a learner step, and starts by sending the newest weights."""
+        """Form a weight-sync group of the learner and the live generators' engines (every vLLM
+        worker is a rank). It forms in the background, also during a learner step, and starts
+        by sending the newest weights."""
         ray = self.ray
         gens = list(self.generators.items())
         if self.evaluator is not None:  # it follows the weights as a generator does
             gens.append(("evaluator", self.evaluator))
-        address = ray.get(self.learners[0].open_epoch.remote(len(gens) + 1))
-        joins = [h.join_epoch.remote(address, rank) for rank, (_, h) in enumerate(gens, start=1)]
-        dead = []
-        for (gid, _), ref in zip(gens, joins):
+        sizes = self._from_live(gens, [h.sync_ranks.remote() for _, h in gens])
+        if sizes is None:
+            return self._new_epoch()  # without those that died
+        address = ray.get(self.learners[0].open_epoch.remote([h for _, h in gens], 1 + sum(sizes)))
+        firsts = [1 + sum(sizes[:i]) for i in range(len(gens))]
+        if self._from_live(gens, [h.join_epoch.remote(address, r) for (_, h), r in zip(gens, firsts)]) is None:
+            return self._new_epoch()
+        log.info("weight-sync epoch %d at %s:%d: learner + %s", address.epoch, address.host, address.port,
+                 [g for g, _ in gens])
+
+    def _from_live(self, gens: list, refs: list) -> list | None:
+        """The calls' results, or None after losing the generators that died since the last tick
+        saw them alive."""
+        results, dead = [], []
+        for (gid, _), ref in zip(gens, refs):
             try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError as e:  # died since the last tick saw it alive
+                results.append(self.ray.get(ref))
+            except self.ray.exceptions.RayActorError as e:
                 if gid not in self.generators:
                     raise  # the evaluator
                 dead.append((gid, type(e).__name__))
         for gid, why in dead:
             self._lose_generator(gid, why)
-        if dead:  # a group without them
-            return self._new_epoch()
-        log.info("weight-sync epoch %d at %s:%d: learner + %s", address.epoch, address.host, address.port,
-                 [g for g, _ in gens])
+        return None if dead else results
 
     # -- the loop --------------------------------------------------------------------------
     def _loop(self) -> int:

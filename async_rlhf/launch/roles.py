@@ -2,8 +2,8 @@
 
 - Coordinator: the shared staleness gate, the generator registry, requests from other drivers
   (add-generators, stop). One named actor per job.
-- GeneratorWorker: one generator loop (actors.generator) in a thread, plus the weight receiver
-  of the current membership epoch.
+- GeneratorWorker: one generator loop (actors.generator) in a thread; its engine is a member of
+  the current weight-sync epoch, and the learner's RPC for each update comes here.
 - LearnerWorker: one learner rank (learners.learner) and, on rank 0, the weight broadcaster.
 
 Part of the wiring (async_rlhf.launch), the one layer that imports actors/, learners/ and buffer/.
@@ -18,6 +18,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 from async_rlhf.config import Config
 from async_rlhf.messages import CoordinatorSnapshot, EvalResult, GeneratorStats, JobSnapshot, StepMetrics
 from async_rlhf.staleness import StalenessGate, lagged_version
-from async_rlhf.weight_sync import SyncAddress, WeightBroadcaster, WeightReceiver, WeightUpdate
+from async_rlhf.weight_sync import SyncAddress, UpdateMeta, WeightBroadcaster
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +123,14 @@ class _CoordinatorGate:
 
 
 class GeneratorWorker:
-    """One always-on generator: its engine loop and scorer (actors.generator), a weight
-    receiver per membership epoch, and an applier that hands the newest update to the engine
-    loop (between two engine steps, or once the engine is empty: generator.weight_updates)."""
+    """One always-on generator: its engine loop and scorer (actors.generator), and the learner's
+    weight updates. The engine (every vLLM worker) is a member of the current weight-sync epoch.
+    With generator.weight_updates=inflight and no weight_lag each update goes straight into the
+    engine at the engine loop's next safe point, which the learner's broadcast waits for (one
+    engine step at most: PipelineRL's pause, receive, resume). Otherwise it is received now and
+    kept staged in the engine (in its workers), and an applier loads the version to load (the
+    newest, or the lagged one) at the safe point, which may be far off (between_groups waits for
+    an empty engine)."""
 
     def __init__(self, cfg: Config, index: int, redis_url: str, coordinator):
         from actors.generator import make_generator
@@ -138,12 +144,14 @@ class GeneratorWorker:
         # data.source=preferences: a producer of the file's pairs takes the generator's place
         make = make_preference_producer if cfg.data.source == "preferences" else make_generator
         self.generator = make(cfg, queue, gate, index=index)
+        self.engine = self.generator.engine  # its weight-sync member
         self.stop_event = threading.Event()
         self.error = ""
         self.last_receive_s = 0.0  # the newest weight update's transfer time
-        self._latest: WeightUpdate | None = None
-        self._picked = -1  # the version last handed to the engine loop
         self.weight_lag = cfg.generator.weight_lag
+        self.direct = self.weight_lag == 0 and cfg.generator.weight_updates == "inflight"
+        self._staged: set[int] = set()  # versions staged in the engine this epoch
+        self._pick: int | None = None  # the staged version the applier is to load next
         self._update_ready = threading.Condition()
         self._threads = [
             threading.Thread(target=self._guard, args=(self.generator.run, self.stop_event),
@@ -160,35 +168,49 @@ class GeneratorWorker:
             self.error = traceback.format_exc()
             log.error("%s: %s", self.generator_id, self.error)
 
-    def join_epoch(self, address: SyncAddress, rank: int) -> None:
-        """Join a membership epoch; updates then arrive in the background."""
-        received: dict[int, WeightUpdate] = {}  # this epoch's (versions restart with a learner)
-        _follow(address, rank, self.generator_id, lambda update: self._received(update, received))
+    def sync_ranks(self) -> int:
+        return self.engine.sync_ranks
 
-    def _received(self, update: WeightUpdate, received: dict[int, WeightUpdate]) -> None:
-        """Hand the engine loop the update to load: the newest, or with generator.weight_lag
+    def join_epoch(self, address: SyncAddress, rank: int) -> None:
+        """Join a membership epoch (in the background: the group forms once every member has)."""
+        def join() -> None:
+            with self._update_ready:
+                self._staged.clear()
+            self.engine.join_weight_sync(address, rank, node_address())
+
+        _background(join, f"{self.generator_id}: joining weight-sync epoch {address.epoch}")
+
+    def receive_update(self, meta: UpdateMeta) -> None:
+        """The learner's RPC: it is broadcasting this update now."""
+        start = time.perf_counter()
+        if self.direct:
+            self.generator.apply_weights(lambda: self.engine.receive_weights(meta, load=True))
+        else:
+            with self._update_ready:
+                keep = set(self._staged)
+            self.engine.receive_weights(meta, load=False, keep=keep)
+            self._received(meta.version)
+        self.last_receive_s = time.perf_counter() - start
+
+    def _received(self, version: int) -> None:
+        """Hand the applier the staged version to load: the newest, or with generator.weight_lag
         the one staleness.lagged_version picks (older ones are let go)."""
-        self.last_receive_s = update.received_s
-        received[update.version] = update
-        # the engine's own version counts: a fresh job's initial weights are never broadcast
-        pick = lagged_version([*received, self.generator.policy_version], update.version,
-                              self.weight_lag)
-        for v in [v for v in received if v < pick]:
-            del received[v]
-        if pick not in received:  # what the engine holds already
-            return
-        with self._update_ready:  # keep only the newest: a slow load never queues stale ones
-            if pick == update.version or pick != self._picked:
-                self._latest, self._picked = received[pick], pick
+        with self._update_ready:  # keep only the newest pick: a slow load never queues stale ones
+            self._staged.add(version)
+            # the engine's own version counts: a fresh job's initial weights are never broadcast
+            pick = lagged_version([*self._staged, self.engine.policy_version], version, self.weight_lag)
+            self._staged = {v for v in self._staged if v >= pick}
+            if pick in self._staged and pick != self.engine.policy_version:
+                self._pick = pick
                 self._update_ready.notify()
 
     def _apply_updates(self) -> None:
         while not self.stop_event.is_set():
             with self._update_ready:
-                self._update_ready.wait_for(lambda: self._latest is not None or self.stop_event.is_set(), 1.0)
-                update, self._latest = self._latest, None
-            if update is not None:  # blocks until the engine loop's safe point: the next step
-                self.generator.apply_weights(update.named_tensors, update.version)  # or an empty engine
+                self._update_ready.wait_for(lambda: self._pick is not None or self.stop_event.is_set(), 1.0)
+                pick, self._pick = self._pick, None
+            if pick is not None:  # blocks until the engine loop's safe point: the next step
+                self.generator.apply_weights(lambda: self.engine.load_staged(pick))  # or an empty engine
 
     def node_address(self) -> str:
         return node_address()
@@ -218,28 +240,27 @@ def node_address() -> str:
     return ray.util.get_node_ip_address()
 
 
-def _follow(address: SyncAddress, rank: int, who: str, on_update) -> None:
-    """Receive a membership epoch's weight updates in a thread of their own, handing each to
-    `on_update`, until the epoch closes or breaks (a member died: the next epoch replaces it)."""
-    def receive() -> None:
+def _background(fn, what: str) -> None:
+    """Run `fn` in a daemon thread; a failure is logged (a group that does not form is counted
+    by the learner, and the launcher forms the next epoch)."""
+    def run() -> None:
         try:
-            receiver = WeightReceiver(address, rank, host=node_address())
-            while (update := receiver.receive()) is not None:
-                on_update(update)
+            fn()
         except Exception as e:  # noqa: BLE001
-            log.warning("%s: weight-sync epoch %d ended: %s", who, address.epoch, e)
+            log.warning("%s failed: %s", what, e)
 
-    threading.Thread(target=receive, name=f"receive-epoch{address.epoch}", daemon=True).start()
+    threading.Thread(target=run, name=what, daemon=True).start()
 
 
 class EvalWorker:
     """Held-out evaluation on an engine of its own (actors.evaluate), off every critical path:
-    it follows the weight-sync epochs as a generator does (receiving every version, none
-    lagged) and evaluates versions 0, eval.every, 2 x eval.every ... in order as their weights
-    arrive; a fresh job's version 0 is the engine's initial weights (the model the learner
-    starts from), evaluated at once. Evaluations run one at a time; while one runs, due
-    versions wait (at most MAX_WAITING: beyond that the oldest is let go and counted in
-    `skipped`). `finish(v)` evaluates the last version too and returns what is left to take."""
+    its engine is a member of the weight-sync epochs as a generator's is, receives every version
+    staged (the newest and those due are kept) and evaluates versions 0, eval.every,
+    2 x eval.every ... in order as their weights arrive; a fresh job's version 0 is the engine's
+    initial weights (the model the learner starts from), evaluated at once. Evaluations run one
+    at a time; while one runs, due versions wait (at most MAX_WAITING: beyond that the oldest is
+    let go and counted in `skipped`). `finish(v)` evaluates the last version too and returns
+    what is left to take."""
 
     MAX_WAITING = 4
 
@@ -251,23 +272,33 @@ class EvalWorker:
         self.results: list[EvalResult] = []  # finished, not yet taken
         self.error = ""
         self.skipped = 0
-        self._newest: WeightUpdate | None = None
-        self._due: collections.deque[WeightUpdate | None] = collections.deque([None] if fresh else [])
+        self.engine = self.evaluator.engine
+        self._newest: int | None = None  # the newest version received (staged)
+        self._due: collections.deque[int | None] = collections.deque([None] if fresh else [])
         self._evaluated = -1  # the version last evaluated
+        self._loading: int | None = None  # the due version the loop took, about to load
         self._final = -1
         self._cond = threading.Condition()
         threading.Thread(target=self._loop, name="evaluate", daemon=True).start()
 
+    def sync_ranks(self) -> int:
+        return self.engine.sync_ranks
+
     def join_epoch(self, address: SyncAddress, rank: int) -> None:
-        _follow(address, rank, "evaluator", self._received)
+        _background(lambda: self.engine.join_weight_sync(address, rank, node_address()),
+                    f"evaluator: joining weight-sync epoch {address.epoch}")
 
-    def _received(self, update: WeightUpdate) -> None:
+    def receive_update(self, meta: UpdateMeta) -> None:
+        """The learner's RPC: it is broadcasting this update now; staged, evaluated in turn."""
         with self._cond:
-            self._newest = update
-            if update.version % self.every == 0 or update.version == self._final:
-                self._wait_for(update)
+            keep = {v for v in [*self._due, self._loading] if v is not None}
+        self.engine.receive_weights(meta, load=False, keep=keep)
+        with self._cond:
+            self._newest = meta.version
+            if meta.version % self.every == 0 or meta.version == self._final:
+                self._wait_for(meta.version)
 
-    def _wait_for(self, update: WeightUpdate) -> None:
+    def _wait_for(self, update: int) -> None:
         if len(self._due) == self.MAX_WAITING:
             self._due.popleft()
             self.skipped += 1
@@ -278,19 +309,19 @@ class EvalWorker:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._due)
-                update = self._due.popleft()  # None: the engine's initial weights, version 0
-            if update is not None and update.version == self._evaluated:
+                version = self._loading = self._due.popleft()  # None: the initial weights, version 0
+            if version is not None and version == self._evaluated:
                 continue
             try:
-                if update is not None:
-                    self.evaluator.engine.update_weights(update.named_tensors, update.version)
+                if version is not None:
+                    self.engine.load_staged(version)
                 result = self.evaluator.evaluate()
             except Exception:  # noqa: BLE001 - kept for the launcher, which logs it
                 self.error = traceback.format_exc()
                 log.error("evaluator: %s", self.error)
                 result = None
             with self._cond:
-                self._evaluated = self.evaluator.engine.policy_version
+                self._evaluated, self._loading = self.engine.policy_version, None
                 if result is not None:
                     self.results.append(result)
                 self._cond.notify_all()
@@ -307,8 +338,7 @@ class EvalWorker:
         with self._cond:
             self._final = version
             newest = self._newest
-            if (newest is not None and newest.version == version and self._evaluated != version
-                    and all(u is not newest for u in self._due)):
+            if newest == version and self._evaluated != version and newest not in self._due:
                 self._wait_for(newest)
             if not self._cond.wait_for(lambda: self._evaluated == version, timeout_s):
                 log.warning("evaluator: version %d not evaluated within %.0f s", version, timeout_s)
@@ -382,9 +412,20 @@ class LearnerWorker:
         beside a step (a threaded actor)."""
         self.learner.give_up_waiting()
 
-    def open_epoch(self, world_size: int) -> SyncAddress:
-        """Called while a step may be running (a threaded actor): touches only the broadcaster."""
-        return self.broadcaster.open_epoch(world_size)
+    def open_epoch(self, members: list, world_size: int) -> SyncAddress:
+        """A new weight-sync epoch of `members` (actor handles with receive_update) holding
+        world_size - 1 ranks. Called while a step may be running (a threaded actor): touches only
+        the broadcaster. Each update's RPC to the members carries its metadata; its wait ends
+        when every member has taken the update, and raises if one failed or died."""
+        import ray
+
+        timeout_s = self.broadcaster.timeout_s
+
+        def notify(meta: UpdateMeta):
+            refs = [member.receive_update.remote(meta) for member in members]
+            return lambda: ray.get(refs, timeout=timeout_s)
+
+        return self.broadcaster.open_epoch(world_size, notify)
 
     def step(self) -> StepMetrics:
         with self._busy:
