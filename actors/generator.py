@@ -417,7 +417,10 @@ def make_generator(
     engine: GenerationEngine | None = None,
     device: str | None = None,
 ) -> Generator:
-    """Generator number `index` of a job: its engine, prompt stream and scorer from `cfg`.
+    """Generator number `index` of a job: its engine, prompt stream and scorer from `cfg`, its
+    reward workers started: a reward that cannot load fails here, at the generator's start (the
+    job ends with the cause), not in its engine loop after it was ready (where each restart
+    failed again, for minutes).
 
     The model directory must exist (the launcher calls actors.model_init.ensure_model once)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -429,11 +432,14 @@ def make_generator(
     context = getattr(model_cfg, "max_position_embeddings", None) or getattr(model_cfg, "n_positions", None)
     prompts = make_prompt_stream(cfg.data, AutoTokenizer.from_pretrained(cfg.model.path), seed=cfg.seed,
                                  stream=index, max_tokens=context and context - g.max_new_tokens)
+    engine = engine or make_engine(g, cfg.model.path, seed=cfg.seed + index, device=device,
+                                   model_dtype=cfg.model.dtype)
+    scorer = Scorer.from_specs(cfg.rewards, g.reward_concurrency)
+    scorer.pool.start()
     return Generator(
-        engine or make_engine(g, cfg.model.path, seed=cfg.seed + index, device=device,
-                              model_dtype=cfg.model.dtype),
+        engine,
         prompts,
-        Scorer.from_specs(cfg.rewards, g.reward_concurrency),
+        scorer,
         queue,
         gate,
         generator_id=f"gen-{index}",
