@@ -197,8 +197,9 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
     metrics = report["metrics"]
     lines = ["# Learning under staleness\n", f"{ran}: {len(report['runs'])} runs. Held-out reward ("
              + "; and ".join(DESCRIBE[m].format(samples=report["eval_samples"]) for m in metrics)
-             + f"; over {report['eval_prompts']} prompts, where a prompt-blind policy scores at most "
-             f"{report['blind_ceiling']}) "
+             + f"; over {report['eval_prompts']} prompts"
+             + (f", where a prompt-blind policy scores at most {report['blind_ceiling']}"
+                if report["blind_ceiling"] is not None else "") + ") "
              f"averaged over versions 0..{report['cells'][0]['last_version']} (area under the curve / span), "
              "mean over seeds [min, max], and relative to k = 0 (synchronous: at k = 0 the three losses make "
              "the same update, so one set of runs serves them all).\n",
@@ -232,7 +233,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 ys = [[{c["version"]: c[key] for c in curve}[v] for curve in curves] for v in versions]
                 (line,) = ax.plot(x, [statistics.mean(y) for y in ys], label=f"k = {k}")
                 ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
-            ax.axhline(report["blind_ceiling"], color="grey", linestyle=":", label="prompt-blind ceiling")
+            if report["blind_ceiling"] is not None:  # known for the pick task only
+                ax.axhline(report["blind_ceiling"], color="grey", linestyle=":", label="prompt-blind ceiling")
             ax.set_title(loss)
             ax.set_xlabel("trained samples")
         axes[0][0].set_ylabel(f"held-out reward ({metric}); band: seeds' min-max")
