@@ -176,9 +176,10 @@ class GeneratorConfig(_Section):
     # share and the generators the rest (placement: auto sets 19 on CPU; see its module doc).
     nice: int = 0
     tensor_parallel: int = 1  # GPU only
-    # vLLM's weights and compute dtype. auto: model.dtype on CPU (fp32 log-probs match the
-    # learner's to 3e-4; bf16 ones differ by up to 0.5, which the importance weights then carry),
-    # bfloat16 on GPU.
+    # vLLM's weights and compute dtype. auto: bfloat16 on GPU and on a CPU that computes bf16
+    # natively (avx512_bf16, AMX), as the learner's autocast; else model.dtype. Its log-probs then
+    # differ from the learner's by bf16 round-off, which the behaviour weight corrects; float32
+    # ones match a float32 learner's to 3e-4.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # vLLM's share of the device's memory (weights, activations, KV cache). auto: 0.3 on CPU
     # (with VLLM_CPU_KVCACHE_SPACE=1; vLLM's own 0.9 fails its start-up memory check), 0.5 on GPU.

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from async_rlhf.config import LearnerConfig
+from async_rlhf.devices import bf16_native
 from learners.losses import entropy_from_logits, token_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -27,19 +26,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def default_device() -> str:
     """This rank's GPU (LOCAL_RANK) where CUDA is, else the CPU."""
     return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-
-
-@functools.cache
-def bf16_native(device: str) -> bool:
-    """Whether `device` computes bf16 natively: a CUDA GPU that supports it, or a CPU whose flags
-    (/proc/cpuinfo; elsewhere none are known) include avx512_bf16 or amx_bf16."""
-    if device.startswith("cuda"):
-        return torch.cuda.is_bf16_supported()
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def autocast_dtype(mode: str, device: str, weights: torch.dtype) -> torch.dtype | None:

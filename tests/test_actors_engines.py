@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.engines import make_engine, vllm_settings
+from async_rlhf.devices import bf16_native
 from actors.engines.hf_engine import HFEngine
 from actors.tasks import examples
 from async_rlhf.config import GeneratorConfig
@@ -276,7 +277,8 @@ def test_weights_go_straight_into_the_vllm_workers(tiny_actor_model, prompts, in
 
 def test_vllm_settings_resolve_auto_per_device():
     auto = GeneratorConfig()
-    assert vllm_settings(auto, "cpu") == {"dtype": "float32", "gpu_memory_utilization": 0.3, "enforce_eager": True}
+    cpu_dtype = "bfloat16" if bf16_native("cpu") else "float32"  # as the learner's autocast
+    assert vllm_settings(auto, "cpu") == {"dtype": cpu_dtype, "gpu_memory_utilization": 0.3, "enforce_eager": True}
     assert vllm_settings(auto, "cpu", model_dtype="bfloat16")["dtype"] == "bfloat16"  # the training dtype
     assert vllm_settings(auto, "cuda:0", model_dtype="float32") == {
         "dtype": "bfloat16", "gpu_memory_utilization": 0.5, "enforce_eager": False}

@@ -52,7 +52,8 @@ def chat_prompts(tok):
 
 
 def _engine(kind, path):
-    cfg = GeneratorConfig(engine=kind, max_new_tokens=MAX_NEW, temperature=TEMPERATURE)
+    # float32: the log-probs are checked against transformers' to float32 precision
+    cfg = GeneratorConfig(engine=kind, max_new_tokens=MAX_NEW, temperature=TEMPERATURE, dtype="float32")
     return make_engine(cfg, path, seed=0)
 
 

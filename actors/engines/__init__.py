@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from async_rlhf.config import GeneratorConfig
+from async_rlhf.devices import bf16_native
 from async_rlhf.protocols import GenerationEngine
 
 
@@ -12,7 +13,8 @@ def vllm_settings(cfg: GeneratorConfig, device: str, model_dtype: str = "float32
     """generator.dtype, gpu_memory_utilization and enforce_eager with `auto` resolved for
     `device` ("cpu" or "cuda[:i]"), as VLLMEngine takes them; see their config comments."""
     gpu = device.startswith("cuda")
-    auto = {"dtype": "bfloat16" if gpu else model_dtype,
+    # bf16 where the device computes it natively, as the learner's autocast (mixed_precision)
+    auto = {"dtype": "bfloat16" if gpu or bf16_native(device) else model_dtype,
             "gpu_memory_utilization": 0.5 if gpu else 0.3, "enforce_eager": not gpu}
     return {key: default if getattr(cfg, key) == "auto" else getattr(cfg, key) for key, default in auto.items()}
 
