@@ -41,6 +41,7 @@ engine when it died are skipped, never generated twice.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -58,8 +59,9 @@ from async_rlhf.messages import GeneratorStats
 from async_rlhf.protocols import AdmissionGate, ExperienceQueue, GenerationEngine
 from async_rlhf.types import Group, Prompt, Sample, Trajectory, TrajectoryError
 
+from actors.episodes import EpisodeEngine
 from actors.prompts import PromptStream, make_prompt_stream
-from actors.rewards import Scored, Scorer
+from actors.rewards import Scored, Scorer, load_function
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +286,12 @@ class Generator:
             self._resolved(flight, 0)
             return
         start = time.perf_counter()
-        scored = self.scorer.score([flight.prompt] * len(samples), [s.text for s in samples])
+        if any(s.failure for s in samples) or all(s.reward is not None for s in samples):
+            # an episode's environment failed, or rewarded every episode (actors/episodes.py)
+            scored = [Scored(failure=s.failure) if s.failure else Scored(s.reward, {"env": s.reward})
+                      for s in samples]
+        else:
+            scored = self.scorer.score([flight.prompt] * len(samples), [s.text for s in samples])
         with self._results:
             self._seconds["score"] += time.perf_counter() - start
             group = self._group(flight, samples, scored, gen_s)
@@ -356,6 +363,7 @@ class Generator:
             finished=sample.finished,
             generation_s=gen_s,
             version_spans=sample.version_spans,
+            observation_spans=sample.observation_spans,
         )
 
     def _set_aside_group(self, prompt: Prompt, samples: list[Sample], reason: str, detail: str) -> None:
@@ -427,13 +435,20 @@ def make_generator(
 
     from actors.engines import make_engine
 
-    g = cfg.generator
+    g, env = cfg.generator, cfg.env
     model_cfg = AutoConfig.from_pretrained(cfg.model.path)
     context = getattr(model_cfg, "max_position_embeddings", None) or getattr(model_cfg, "n_positions", None)
-    prompts = make_prompt_stream(cfg.data, AutoTokenizer.from_pretrained(cfg.model.path), seed=cfg.seed,
-                                 stream=index, max_tokens=context and context - g.max_new_tokens)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    response_tokens = env.max_tokens if env.target else g.max_new_tokens
+    prompts = make_prompt_stream(cfg.data, tokenizer, seed=cfg.seed, stream=index,
+                                 max_tokens=context and context - response_tokens)
     engine = engine or make_engine(g, cfg.model.path, seed=cfg.seed + index, device=device,
                                    model_dtype=cfg.model.dtype)
+    if env.target:
+        make_env = functools.partial(load_function(env.target, "env.target"), **env.args)
+        engine = EpisodeEngine(engine, make_env, tokenizer, max_turns=env.max_turns, max_tokens=env.max_tokens,
+                               max_new_tokens=g.max_new_tokens, timeout_s=env.timeout_s,
+                               concurrency=env.concurrency)
     scorer = Scorer.from_specs(cfg.rewards, g.reward_concurrency)
     scorer.pool.start()
     return Generator(

@@ -67,7 +67,8 @@ def build_bpe_tokenizer(seed: int = 0):
     trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB_SIZE, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     corpus = [f"{IM_START}user\n{text}{IM_END}\n{IM_START}assistant\n{answer} {answer}{IM_END}"
-              for task in sorted(TASKS) for text, answer in examples(task, seed, 500)]
+              for task in sorted(TASKS) if not TASKS[task].env  # the merges predate the episode tasks
+              for text, answer in examples(task, seed, 500)]
     core.train_from_iterator(corpus, trainer)
     core.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, core.token_to_id(BOS))])

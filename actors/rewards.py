@@ -27,14 +27,15 @@ from async_rlhf.types import Prompt
 from actors.reward_pool import RewardPool
 
 
-def load_function(target: str) -> Callable:
-    """Import `module:function`."""
+def load_function(target: str, what: str = "reward target", example: str = "module:function, e.g. "
+                  "actors.tasks:score") -> Callable:
+    """Import `module:function` (or `module:Class`: an environment, actors/episodes.py)."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"reward target {target!r} must look like module:function, e.g. actors.tasks:score")
+        raise ValueError(f"{what} {target!r} must look like {example}")
     module = importlib.import_module(module_name)
     if not hasattr(module, attr):
-        raise AttributeError(f"reward target {target!r}: module {module_name} has no {attr!r}")
+        raise AttributeError(f"{what} {target!r}: module {module_name} has no {attr!r}")
     return getattr(module, attr)
 
 

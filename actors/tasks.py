@@ -22,6 +22,11 @@ default reward `actors.tasks:score` needs nothing but the prompt and the respons
            found at their position + 0.2 if the response has the answer's length (1.0 iff equal);
            partial credit guides learning, which needs a few hundred steps.
   reverse  as copy, with the digits reversed ("reverse 3142=" -> "2413"); harder.
+  calc     episodes with a tool (actors.envs:Calculator). "calc 3+5=" -> call the calculator,
+           read its reply, answer "8".
+  guess    a multi-turn game (actors.envs:GuessNumber). "guess 4821=" -> find a hidden number
+           in 1..4 from higher/lower replies.
+           These two are scored by their environments (env.target), not by `score`.
   length   response lengths that vary widely, for streaming generation. "length 37=" -> any
            response of 37 characters (tokens, with the character tokenizer) then EOS; reward =
            max(0, 1 - |length - 37| / 37). The ideal length is drawn from 4..64, so give it
@@ -60,6 +65,7 @@ class Task:
     name: str
     make: Callable[[random.Random], tuple[str, str]]  # rng -> (prompt text, answer)
     reward: Callable[[str, str], float]  # (response, answer) -> reward in [0, 1]
+    env: str = ""  # the environment (env.target) that scores its episodes instead of `reward`
 
 
 def _digits(rng: random.Random) -> str:
@@ -122,6 +128,20 @@ def _make_length(rng: random.Random) -> tuple[str, str]:
     return f"length {target}=", target
 
 
+def _make_calc(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(1, 9), rng.randint(1, 9)
+    return f"calc {a}+{b}=", str(a + b)
+
+
+def _make_guess(rng: random.Random) -> tuple[str, str]:
+    return f"guess {_digits(rng)}=", str(rng.randint(1, 4))
+
+
+def _scored_by_env(response: str, answer: str) -> float:
+    raise ValueError("this task's episodes are scored by its environment: set env.target "
+                     "(actors.envs:Calculator for calc, actors.envs:GuessNumber for guess)")
+
+
 TASKS: dict[str, Task] = {
     "count": Task("count", _make_count, _count_reward),
     "echo": Task("echo", _make_echo, _echo_reward),
@@ -129,6 +149,8 @@ TASKS: dict[str, Task] = {
     "copy": Task("copy", _make_copy, positional_match),
     "reverse": Task("reverse", _make_reverse, positional_match),
     "length": Task("length", _make_length, _length_reward),
+    "calc": Task("calc", _make_calc, _scored_by_env, env="actors.envs:Calculator"),
+    "guess": Task("guess", _make_guess, _scored_by_env, env="actors.envs:GuessNumber"),
 }
 
 

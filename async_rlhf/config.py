@@ -384,6 +384,29 @@ class EvalConfig(_Section):
                    "a prompt count or the path of an existing JSONL file")
 
 
+@dataclass(frozen=True)
+class EnvConfig(_Section):
+    """Multi-turn episodes (actors/episodes.py): with a target, every sample is an episode of
+    model turns and the environment's observations, trained on the model's tokens only."""
+
+    _prefix = "env."
+    # module:Class of the environment, built once per episode with `args` as keyword arguments:
+    # reset(prompt) -> first observation; step(turn text) -> (observation, done, reward or
+    # None); either may be async. "": no environment, one completion per sample.
+    target: str = ""
+    args: dict[str, int | float | str | bool] = field(default_factory=dict)  # the class's keyword arguments
+    max_turns: int = 4  # model turns per episode; one that reaches it without `done` is cut there
+    max_tokens: int = 64  # response tokens per episode, turns and observations together
+    # an environment call that takes longer fails its episode: the group is set aside, counted
+    timeout_s: float = 30.0
+    concurrency: int = 64  # threads for environments' plain (not async) methods, per generator
+
+    def _validate(self) -> None:
+        self._positive("max_turns", "max_tokens", "timeout_s", "concurrency")
+        _check(not self.target or ":" in self.target, "env.target", self.target,
+               "module:Class, e.g. actors.envs:GuessNumber (or empty: no environment)")
+
+
 def _default_rewards() -> tuple[RewardSpec, ...]:
     return (RewardSpec(kind="function", target="actors.tasks:score"),)
 
@@ -405,6 +428,7 @@ class Config(_Section):
     queue: QueueConfig = field(default_factory=QueueConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def _validate(self) -> None:
         _check(self.max_staleness >= 0, "max_staleness", self.max_staleness, ">= 0")
@@ -433,6 +457,8 @@ class Config(_Section):
             _check(self.placement == "manual", "placement", self.placement,
                    "manual with data.source=preferences (no generation to size stages for: the "
                    "one producer needs no core of its own; set learner.threads/ranks by hand)")
+        if self.env.target:
+            self._validate_episodes()
         if self.learner.algorithm == "dpo":  # a pair is two responses to one prompt
             _check(self.generator.group_size >= 2, "generator.group_size", self.generator.group_size,
                    ">= 2 with learner.algorithm=dpo (a pair is two responses of one group)")
@@ -440,6 +466,17 @@ class Config(_Section):
             _check(self.learner.micro_batch % self.generator.group_size == 0, "learner.micro_batch",
                    self.learner.micro_batch, f"a multiple of generator.group_size ({self.generator.group_size}) "
                    "with learner.algorithm=dpo (a micro-batch holds whole groups)")
+
+    def _validate_episodes(self) -> None:
+        why = f"with env.target={self.env.target!r} (episodes)"
+        _check(self.generator.engine == "vllm", "generator.engine", self.generator.engine,
+               f"vllm {why}: their turns are continuously batched")
+        _check(self.learner.algorithm == "ppo", "learner.algorithm", self.learner.algorithm,
+               f"ppo {why}")
+        _check(self.data.source != "preferences", "data.source", self.data.source,
+               f"a prompt source {why}")
+        _check(not self.eval.every, "eval.every", self.eval.every,
+               f"0 {why}: held-out evaluation scores single completions")
 
     def to_yaml(self) -> str:
         """The resolved config as YAML, fit to print or keep (a Redis password is redacted)."""
@@ -465,6 +502,7 @@ _SECTIONS: dict[str, type] = {
     "learner": LearnerConfig,
     "stage_costs": StageCosts,
     "eval": EvalConfig,
+    "env": EnvConfig,
 }
 
 

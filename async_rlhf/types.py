@@ -16,10 +16,14 @@ import numpy as np
 # Bump when a field is added, removed or changes meaning; the codec refuses other versions.
 # v2: a stream entry holds a whole Group (v1 held one Trajectory).
 # v3: each trajectory carries version_spans (which weights sampled which tokens).
-SCHEMA_VERSION = 3
+# v4: each trajectory carries observation_spans (response tokens the model did not sample).
+SCHEMA_VERSION = 4
 
 # (version, index of the first response token that version sampled), one per change of weights
 VersionSpans = tuple[tuple[int, int], ...]
+# (start, end): response tokens [start, end) that an environment wrote (a multi-turn episode's
+# observations and tool results), not the model: loss mask 0, behaviour log-prob 0
+ObservationSpans = tuple[tuple[int, int], ...]
 
 
 class TrajectoryError(ValueError):
@@ -65,6 +69,12 @@ class Sample:
     finished: bool  # ended by EOS, an end-of-turn token or a stop string (False: cut at max_new_tokens)
     version_spans: VersionSpans  # the weights that sampled its tokens, as in Trajectory
     text: str = ""
+    # An episode's (actors/episodes.py): tokens its environment wrote, as in Trajectory; the
+    # environment's reward (None: the configured rewards score `text`, the transcript); why it
+    # must be set aside, (reason, detail), when its environment failed.
+    observation_spans: ObservationSpans = ()
+    reward: float | None = None
+    failure: tuple[str, str] | None = None
 
     @property
     def policy_version(self) -> int:
@@ -92,6 +102,9 @@ class Trajectory:
     # at 0, starts rise strictly, and policy_version is the oldest of the versions. () means
     # one version, policy_version, sampled every token (producers that do not track it).
     version_spans: VersionSpans = ()
+    # Response tokens an environment wrote (episodes: observations, tool results), sorted and
+    # disjoint: never trained on (loss mask 0), behaviour log-prob 0. (): the model sampled all.
+    observation_spans: ObservationSpans = ()
     schema_version: int = SCHEMA_VERSION
 
     def validate(self, *, logprobs: bool = True) -> None:
@@ -130,6 +143,25 @@ class Trajectory:
             raise TrajectoryError("bad_version", f"policy_version is {self.policy_version}")
         if self.version_spans:
             self._validate_spans()
+        if self.observation_spans:
+            self._validate_observations()
+
+    def _validate_observations(self) -> None:
+        ends = [0] + [x for span in self.observation_spans for x in span]
+        if any(a > b for a, b in zip(ends, ends[1:])) or ends[-1] > len(self.response_ids) or any(
+                start >= end for start, end in self.observation_spans):
+            raise TrajectoryError("bad_observation_spans", f"observation spans {list(self.observation_spans)} "
+                                  "must be non-empty, sorted, disjoint and within the response's "
+                                  f"{len(self.response_ids)} tokens")
+        if not self.loss_mask().any():
+            raise TrajectoryError("empty", "every response token is an observation: the model sampled none")
+
+    def loss_mask(self) -> np.ndarray:
+        """bool [T]: the response tokens the model sampled (False: an observation's)."""
+        mask = np.ones(len(self.response_ids), dtype=bool)
+        for start, end in self.observation_spans:
+            mask[start:end] = False
+        return mask
 
     def _validate_spans(self) -> None:
         spans = self.version_spans

@@ -1,18 +1,20 @@
 """Group <-> bytes for the experience stream: a msgpack map, arrays as raw little-endian bytes.
 
-Wire format (schema v3), one msgpack map per stream entry, holding one whole group:
+Wire format (schema v4), one msgpack map per stream entry, holding one whole group:
 
-    {"schema_version": 3,
+    {"schema_version": 4,
      "members": [                       # the group's trajectories, in order
         {"prompt_ids": {"dtype": "int32", "shape": [P], "data": <P*4 bytes>},
          "response_ids": {...}, "behavior_logprobs": {"dtype": "float32", ...},
          "reward": float, "reward_parts": {str: float}, "policy_version": int,
          "generator_id": str, "group_id": str, "finished": bool,
          "generated_at": float, "generation_s": float,
-         "version_spans": [[version, start], ...]},   # ints; [] = policy_version throughout
+         "version_spans": [[version, start], ...],    # ints; [] = policy_version throughout
+         "observation_spans": [[start, end], ...]},   # ints; [] = the model sampled every token
         ...]}
 
-(v2 had no version_spans; v1 was one trajectory map per entry, with its own schema_version.)
+(v3 had no observation_spans, v2 no version_spans; v1 was one trajectory map per entry, with
+its own schema_version.)
 Each decoded member's
 `schema_version` is the entry's. Nothing is pickled: a decoder only ever builds numbers,
 strings and numpy arrays of the dtypes listed in `_DTYPES`; decoded arrays are read-only.
@@ -21,7 +23,7 @@ strings and numpy arrays of the dtypes listed in `_DTYPES`; decoded arrays are r
 queue can dead-letter the entry under that reason.
 
 Two decoders, one contract. The fast one (msgspec into the typed `_Wire` struct below: ~1 us a
-member instead of ~8 us of msgpack-python plus per-field checks) accepts only well-formed v3
+member instead of ~8 us of msgpack-python plus per-field checks) accepts only well-formed v4
 entries with 1-D arrays whose byte count matches their shape; anything else it hands to the
 checked decoder, which is the reference: it accepts the same entries and names the reason for
 the rest. tests/test_codec.py checks that the two agree on every malformed input it knows.
@@ -62,7 +64,8 @@ _SCALARS: dict[str, frozenset[type]] = {
     "generated_at": _NUMBER,
     "generation_s": _NUMBER,
 }
-_FIELDS = frozenset(_ARRAYS) | frozenset(_SCALARS) | {"reward_parts", "version_spans"}  # of a member map
+_SPANS = ("version_spans", "observation_spans")  # lists of integer pairs
+_FIELDS = frozenset(_ARRAYS) | frozenset(_SCALARS) | {"reward_parts", *_SPANS}  # of a member map
 _ENVELOPE = frozenset(("schema_version", "members"))
 
 
@@ -95,6 +98,7 @@ class _Member(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     generated_at: float
     generation_s: float
     version_spans: list[tuple[int, int]]
+    observation_spans: list[tuple[int, int]]
 
 
 class _Wire(msgspec.Struct, forbid_unknown_fields=True, gc=False):
@@ -140,6 +144,7 @@ def _pack_member(traj: Trajectory) -> _Member:
         generated_at=float(traj.generated_at),
         generation_s=float(traj.generation_s),
         version_spans=[(int(v), int(start)) for v, start in traj.version_spans],
+        observation_spans=[(int(start), int(end)) for start, end in traj.observation_spans],
     )
 
 
@@ -159,7 +164,7 @@ assert "__dict__" in dir(Trajectory) and not hasattr(Trajectory, "__slots__")
 
 
 def _decode_fast(data: bytes) -> Group | None:
-    """The common case, fast: a well-formed v3 entry with 1-D arrays; None for anything else."""
+    """The common case, fast: a well-formed v4 entry with 1-D arrays; None for anything else."""
     try:
         w = _DECODER.decode(data)
     except msgspec.DecodeError:  # also msgspec.ValidationError, its subclass
@@ -180,7 +185,8 @@ def _decode_fast(data: bytes) -> Group | None:
             reward=m.reward, reward_parts=m.reward_parts, policy_version=m.policy_version,
             generator_id=m.generator_id, group_id=m.group_id, finished=m.finished,
             generated_at=m.generated_at, generation_s=m.generation_s,
-            version_spans=tuple(m.version_spans), schema_version=w.schema_version,
+            version_spans=tuple(m.version_spans), observation_spans=tuple(m.observation_spans),
+            schema_version=w.schema_version,
         )
         members.append(traj)
     return Group(tuple(members))
@@ -238,12 +244,13 @@ def _member_checked(index: int, obj: object, version: int) -> Trajectory:
         type(k) is str and type(v) in _NUMBER for k, v in parts.items()
     ):
         raise TrajectoryError("field_type", f"{what}: reward_parts must map names to numbers, got {parts!r}")
-    spans = obj["version_spans"]
-    if type(spans) is not list or not all(
-        type(s) is list and len(s) == 2 and all(type(x) is int for x in s) for s in spans
-    ):
-        raise TrajectoryError("field_type", f"{what}: version_spans must be a list of [version, start] "
-                              f"integer pairs, got {spans!r:.80}")
+    for name in _SPANS:
+        spans = obj[name]
+        if type(spans) is not list or not all(
+            type(s) is list and len(s) == 2 and all(type(x) is int for x in s) for s in spans
+        ):
+            raise TrajectoryError("field_type", f"{what}: {name} must be a list of integer pairs, "
+                                  f"got {spans!r:.80}")
     return Trajectory(
         prompt_ids=_unpack_array("prompt_ids", obj["prompt_ids"]),
         response_ids=_unpack_array("response_ids", obj["response_ids"]),
@@ -256,7 +263,8 @@ def _member_checked(index: int, obj: object, version: int) -> Trajectory:
         finished=obj["finished"],
         generated_at=float(obj["generated_at"]),
         generation_s=float(obj["generation_s"]),
-        version_spans=tuple((v, start) for v, start in spans),
+        version_spans=tuple((v, start) for v, start in obj["version_spans"]),
+        observation_spans=tuple((start, end) for start, end in obj["observation_spans"]),
         schema_version=version,
     )
 

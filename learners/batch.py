@@ -26,7 +26,7 @@ class Batch:
     positions: torch.Tensor  # int64 [B, T], index of the logit predicting response token t
     versions: torch.Tensor  # int64 [B], policy_version that generated each row
     groups: torch.Tensor  # int64 [B], group index (same prompt -> same index)
-    mask: torch.Tensor  # float32 [B, T]
+    mask: torch.Tensor  # float32 [B, T], 1 on the response tokens the model sampled
     behavior_logp: torch.Tensor  # float32 [B, T]
     rewards: torch.Tensor  # float32 [B]
 
@@ -53,7 +53,7 @@ class Batch:
             out.input_ids[i, : P + R] = torch.from_numpy(ids)
             out.attention_mask[i, : P + R] = 1
             out.positions[i] = (P - 1 + torch.arange(T)).clamp(max=L - 2)
-            out.mask[i, :R] = 1.0
+            out.mask[i, :R] = torch.from_numpy(t.loss_mask()) if t.observation_spans else 1.0
             out.behavior_logp[i, :R] = torch.from_numpy(t.behavior_logprobs.astype("float32"))
         return out
 
@@ -64,7 +64,9 @@ class Batch:
         """These rows without the columns that are padding in all of them: L cut to the longest
         row, T to the longest response (a padding slot's position clamped into the cut). A
         micro-batch's forward then computes nothing on padding it does not need."""
-        L, T = int(self.attention_mask.sum(1).max()), int(self.mask.sum(1).max())
+        # T: up to the last sampled token of any row (an episode's mask has holes, observations)
+        sampled = self.mask.any(0).nonzero()
+        L, T = int(self.attention_mask.sum(1).max()), int(sampled[-1]) + 1 if len(sampled) else 1
         return dataclasses.replace(
             self, input_ids=self.input_ids[:, :L], attention_mask=self.attention_mask[:, :L],
             positions=self.positions[:, :T].clamp(max=L - 2), mask=self.mask[:, :T],

@@ -24,7 +24,8 @@ def assert_same(a: Group, b: Group) -> None:
             u, v = getattr(x, name), getattr(y, name)
             assert u.dtype == v.dtype and u.shape == v.shape and u.tobytes() == v.tobytes(), name
         for name in ("reward", "reward_parts", "policy_version", "generator_id", "group_id",
-                     "finished", "generated_at", "generation_s", "version_spans", "schema_version"):
+                     "finished", "generated_at", "generation_s", "version_spans", "observation_spans",
+                     "schema_version"):
             assert getattr(x, name) == getattr(y, name), name
 
 
@@ -47,6 +48,15 @@ def test_round_trip_keeps_per_token_versions():
     assert t.token_versions().tolist() == [4, 5, 5, 7] and t.newest_version == 7
     assert back.policy_version == 4
     assert make_traj(policy_version=2).token_versions().tolist() == [2, 2, 2, 2]  # () = one version
+
+
+def test_round_trip_keeps_the_tokens_an_environment_wrote():
+    """An episode's observation tokens come back exactly, and only the model's are trained on."""
+    group = make_group(size=2, observation_spans=((1, 3),))
+    back = decode(encode(group))
+    assert_same(group, back)
+    assert back.members[0].loss_mask().tolist() == [True, False, False, True]
+    assert make_traj().loss_mask().all()  # () = the model sampled every token
 
 
 def test_round_trip_other_dtypes_and_byte_orders():
@@ -102,7 +112,7 @@ def test_garbage(data, reason):
 def test_schema_version():
     assert reason_of(reencoded(make_group(), schema_version=SCHEMA_VERSION + 1)) == "schema"
     assert reason_of(reencoded(make_group(), schema_version=None)) == "missing_field"
-    with pytest.raises(TrajectoryError, match="expects v3"):
+    with pytest.raises(TrajectoryError, match="expects v4"):
         decode(reencoded(make_group(), schema_version=99))
     v1 = msgpack.unpackb(encode(one()))["members"][0]  # a v1 entry: one trajectory map
     assert reason_of(msgpack.packb({"schema_version": 1, **v1}, use_bin_type=True)) == "schema"
@@ -110,6 +120,10 @@ def test_schema_version():
     for member in v2["members"]:
         del member["version_spans"]
     assert reason_of(msgpack.packb({**v2, "schema_version": 2}, use_bin_type=True)) == "schema"
+    v3 = msgpack.unpackb(encode(make_group()))  # a v3 entry: members without observation_spans
+    for member in v3["members"]:
+        del member["observation_spans"]
+    assert reason_of(msgpack.packb({**v3, "schema_version": 3}, use_bin_type=True)) == "schema"
 
 
 @pytest.mark.parametrize("field", ["reward", "response_ids", "group_id", "finished", "reward_parts"])
@@ -142,6 +156,8 @@ def test_unknown_field(member):
         {"version_spans": [[1.0, 0]]},
         {"version_spans": [[True, 0]]},
         {"version_spans": {"1": 0}},
+        {"observation_spans": [[1, 2.0]]},
+        {"observation_spans": [1, 2]},
     ],
 )
 def test_wrong_types(edits):
@@ -183,6 +199,11 @@ def test_array_mismatch(array):
         (dict(version_spans=((1, 0), (2, 2), (3, 2))), "bad_version_spans"),  # starts rise
         (dict(version_spans=((1, 0), (2, 4))), "bad_version_spans"),  # past the response
         (dict(version_spans=((2, 0),)), "bad_version_spans"),  # policy_version is the oldest
+        (dict(observation_spans=((2, 2),)), "bad_observation_spans"),  # empty
+        (dict(observation_spans=((2, 5),)), "bad_observation_spans"),  # past the response
+        (dict(observation_spans=((2, 4), (1, 2))), "bad_observation_spans"),  # not sorted
+        (dict(observation_spans=((0, 2), (1, 3))), "bad_observation_spans"),  # overlapping
+        (dict(observation_spans=((0, 4),)), "empty"),  # the model sampled no token
     ],
 )
 def test_validation_runs_after_decoding(changes, reason):
@@ -204,13 +225,14 @@ def test_encode_refuses_unsupported_dtypes():
 def test_wire_bytes_are_what_msgpack_python_writes_for_the_documented_map():
     group = make_group(size=2, policy_version=1, version_spans=((1, 0), (2, 3)))
     arr = lambda a: {"dtype": a.dtype.name, "shape": list(a.shape), "data": a.tobytes()}  # noqa: E731
-    documented = {"schema_version": 3, "members": [
+    documented = {"schema_version": 4, "members": [
         {"prompt_ids": arr(t.prompt_ids), "response_ids": arr(t.response_ids),
          "behavior_logprobs": arr(t.behavior_logprobs), "reward": t.reward,
          "reward_parts": t.reward_parts, "policy_version": t.policy_version,
          "generator_id": t.generator_id, "group_id": t.group_id, "finished": t.finished,
          "generated_at": t.generated_at, "generation_s": t.generation_s,
-         "version_spans": [list(span) for span in t.version_spans]}
+         "version_spans": [list(span) for span in t.version_spans],
+         "observation_spans": [list(span) for span in t.observation_spans]}
         for t in group.members]}
     assert encode(group) == msgpack.packb(documented, use_bin_type=True)
 
@@ -238,10 +260,10 @@ def _member_edit(**edits) -> bytes:
 def _repeated_key() -> bytes:
     """A member map with "reward" twice (true, then its number): both decoders keep the last."""
     member = msgpack.packb(msgpack.unpackb(encode(one()))["members"][0], use_bin_type=True)
-    assert member[0] == 0x8C  # a fixmap of 12 entries: make it 13, the first one repeated
+    assert member[0] == 0x8D  # a fixmap of 13 entries: make it 14, the first one repeated
     empty = msgpack.packb({"schema_version": SCHEMA_VERSION, "members": []}, use_bin_type=True)
     assert empty[-1] == 0x90  # an empty fixarray: make it hold one member
-    return empty[:-1] + b"\x91" + b"\x8d\xa6reward\xc3" + member[1:]
+    return empty[:-1] + b"\x91" + b"\x8e\xa6reward\xc3" + member[1:]
 
 
 EDGE_CASES = [

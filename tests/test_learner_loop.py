@@ -109,6 +109,41 @@ def test_micro_batches_of_like_length_trimmed_of_padding_give_the_whole_batch_gr
         assert torch.allclose(got, ref, rtol=1e-4, atol=1e-7), float((got - ref).abs().max())
 
 
+def test_observation_tokens_carry_mask_0_and_never_reach_the_loss(make_learner):
+    """Episodes: the tokens an environment wrote (observation_spans) condition the tokens after
+    them but are never trained on. The learner's gradient is that of a loss whose mask is 0
+    there, and it does not change whatever behaviour log-probs those tokens carry (were they in
+    the loss, -30 would swing their importance weights to the cap)."""
+    spans = ((2, 4),)  # tokens 2 and 3 of every 8-token response: the last ones stay sampled
+    groups = [Group(tuple(dataclasses.replace(t, observation_spans=spans) for t in g.members))
+              for g in random_groups(2, vocab=VOCAB, seed=7)]
+    batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(groups)])
+    assert batch.mask[:, 2:4].eq(0).all() and batch.mask[:, [0, 1, 4, 7]].eq(1).all()
+    assert batch.trimmed().mask.shape[1] == 8  # cut after the last sampled token, not at the mask's sum
+
+    def gradient(groups):
+        learner, _, _ = make_learner(groups, mixed_precision="fp32", micro_batch=8)
+        be, summed = learner.backend, []
+        be.step = lambda critic=False: summed.append([p.grad.clone() for p in be.model.parameters()]) or 1.0
+        learner.step()
+        return learner, summed[-1]
+
+    learner, got = gradient(groups)
+    be = learner.backend
+    logp = be.logprobs(batch.input_ids, batch.attention_mask, batch.positions)[0]
+    adv = grpo_advantages(batch.rewards, batch.groups)[:, None] * batch.mask
+    loss = policy_loss(logp, logp.detach(), batch.behavior_logp, adv, batch.mask,
+                       num_tokens=float(batch.mask.sum()), num_seqs=8.0)[0]
+    want = torch.autograd.grad(loss, list(be.model.parameters()))
+    odd = [Group(tuple(dataclasses.replace(t, behavior_logprobs=np.where(t.loss_mask(), t.behavior_logprobs, -30.0)
+                                           .astype(np.float32), group_id=f"{t.group_id}-odd")
+                       for t in g.members)) for g in groups]  # another id: not refused as a duplicate
+    _, other = gradient(odd)
+    for a, b, ref in zip(got, other, want):
+        assert torch.equal(a, b)
+        assert torch.allclose(a, ref, rtol=1e-4, atol=1e-7), float((a - ref).abs().max())
+
+
 def with_member(group: Group, index: int, **changes) -> Group:
     """`group` with member `index` changed."""
     members = list(group.members)

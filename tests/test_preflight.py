@@ -69,3 +69,14 @@ def test_a_model_directory_without_a_tokenizer(tmp_path, tiny_actor_model):
 def test_an_override_that_is_not_yaml(tmp_path):
     err = _one_line_error(_train(tmp_path, "rewards=[{kind:"))
     assert "override 'rewards=[{kind:': its value is not valid YAML" in err
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["data.task=calc"], "data.task 'calc' is played in episodes: set env.target=actors.envs:Calculator"),
+    (["data.task=guess", "env.target=actors.envs:Guess"], "module actors.envs has no 'Guess'"),
+    (["data.task=guess", "env.target=actors.tasks:score"], "is no environment class: it needs methods reset"),
+    (["env.target=actors.envs:GuessNumber", "generator.engine=hf"], "generator.engine must be vllm with env.target"),
+])
+def test_an_environment_that_is_missing_or_does_not_fit(tmp_path, tiny_actor_model, overrides, expected):
+    err = _one_line_error(_train(tmp_path, f"model.path={tiny_actor_model}", *overrides))
+    assert expected in err

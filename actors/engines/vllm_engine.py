@@ -218,15 +218,17 @@ class VLLMEngine:
     def num_sequences(self) -> int:
         return self._engine.get_num_unfinished_requests()  # a group's samples count apart
 
-    def submit(self, key: str, prompt: Prompt, n: int, *, greedy: bool = False) -> None:
-        """Start n samples of `prompt` (`greedy`, for tests and evaluation: argmax tokens)."""
+    def submit(self, key: str, prompt: Prompt, n: int, *, greedy: bool = False,
+               max_tokens: int | None = None) -> None:
+        """Start n samples of `prompt` (`greedy`, for tests and evaluation: argmax tokens) of
+        at most `max_tokens` tokens (None: max_new_tokens)."""
         from vllm.inputs import TokensPrompt
 
         params = self._sampling_params(
             n=n,
             temperature=0.0 if greedy else self.temperature,
             top_p=1.0 if greedy else self.top_p,
-            max_tokens=self.max_new_tokens,
+            max_tokens=max_tokens or self.max_new_tokens,
             stop=list(self.stop),
             logprobs=0,  # the sampled token's own log-prob
             output_kind=self._final_only,  # the default re-sends every token at every step

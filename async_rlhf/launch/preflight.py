@@ -19,9 +19,12 @@ from async_rlhf.config import Config, ConfigError
 def preflight(cfg: Config) -> None:
     """Raise ConfigError for the first thing `cfg` names that is missing or unreadable."""
     from actors.prompts import load_records, read_jsonl
+    from actors.tasks import get_task
 
     for i, spec in enumerate(cfg.rewards):
         _check_reward(i, spec.kind, spec.target)
+    if cfg.env.target:
+        load_environment(cfg.env.target)
     try:
         if cfg.data.source == "preferences":  # records without a prompt are dead-lettered later
             key = cfg.data.prompt_key
@@ -32,7 +35,31 @@ def preflight(cfg: Config) -> None:
             read_jsonl(cfg.eval.prompts)
     except (OSError, ValueError, KeyError, ImportError) as e:
         raise ConfigError(_one_line(e)) from None
+    if not cfg.env.target and cfg.data.source == "task" and (env := get_task(cfg.data.task).env):
+        raise ConfigError(f"data.task {cfg.data.task!r} is played in episodes: set env.target={env} "
+                          "(configs/agent.yaml shows one)")
     _check_model(cfg, any(isinstance(prompt, list) for prompt, _ in records))
+
+
+def load_environment(target: str) -> type:
+    """The environment class env.target names; ConfigError when it is not there or lacks
+    reset and step."""
+    from actors.rewards import load_function
+
+    _importable_here()
+    try:
+        cls = load_function(target, "env.target", "module:Class, e.g. actors.envs:GuessNumber")
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{_one_line(e)} (a class importable from where `train` runs)") from None
+    if not (isinstance(cls, type) and callable(getattr(cls, "reset", None)) and callable(getattr(cls, "step", None))):
+        raise ConfigError(f"env.target {target!r} is no environment class: it needs methods reset(prompt) "
+                          "and step(response) (see actors/envs.py)")
+    return cls
+
+
+def _importable_here() -> None:
+    if os.getcwd() not in sys.path:  # the job's actors import from the driver's directory (Ray)
+        sys.path.insert(0, os.getcwd())
 
 
 def _check_reward(i: int, kind: str, target: str) -> None:
@@ -40,8 +67,7 @@ def _check_reward(i: int, kind: str, target: str) -> None:
 
     key = f"rewards[{i}].target"
     if kind == "function":
-        if os.getcwd() not in sys.path:  # the job's actors import from the driver's directory (Ray)
-            sys.path.insert(0, os.getcwd())
+        _importable_here()
         try:
             load_function(target)
         except (ImportError, AttributeError, ValueError) as e:
