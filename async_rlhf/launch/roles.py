@@ -443,6 +443,10 @@ class LearnerWorker:
             self.learner.save_checkpoint()
             export = self.out / "policy"
             self.learner.backend.save_pretrained(export)
+            if self.rank == 0:  # with its tokenizer: the directory loads as the model it came from
+                from transformers import AutoTokenizer
+
+                AutoTokenizer.from_pretrained(self.cfg.model.path).save_pretrained(export)
             if self.broadcaster is not None:
                 self.broadcaster.close()
             return str(export)
