@@ -93,6 +93,7 @@ class Generator:
         max_inflight: int = 64,
         schedule: Literal["stream", "lockstep"] = "stream",
         weight_updates: Literal["inflight", "between_groups"] = "inflight",
+        drop_uniform_groups: bool = False,
         poll_s: float = 0.05,
     ):
         if max_inflight < group_size:
@@ -101,6 +102,7 @@ class Generator:
         self.generator_id = generator_id
         self.group_size, self.max_inflight = group_size, max_inflight
         self.schedule, self.weight_updates = schedule, weight_updates
+        self.drop_uniform_groups = drop_uniform_groups
         self.poll_s = poll_s
         # a generator that restarts (replaced, or its job resumed) continues its prompt stream
         # where the groups it put in the stream end
@@ -295,7 +297,10 @@ class Generator:
         with self._results:
             self._seconds["score"] += time.perf_counter() - start
             group = self._group(flight, samples, scored, gen_s)
-            if isinstance(group, Group):
+            if isinstance(group, Group) and self.drop_uniform_groups and _uniform(group):
+                self._drop_uniform()
+                self._resolved(flight, 0)
+            elif isinstance(group, Group):
                 self._held.append((flight, group))
                 self._release()
             else:
@@ -366,6 +371,15 @@ class Generator:
             observation_spans=sample.observation_spans,
         )
 
+    def _drop_uniform(self) -> None:
+        """Dynamic sampling (DAPO): a group whose rewards are all equal has advantage 0 for
+        every sample, so it is dropped, counted, and its gate slots freed for another."""
+        self._counts["dropped_uniform"] += 1
+        try:
+            self.queue.count_dropped("uniform")
+        except Exception:  # noqa: BLE001 - the count is the stream's; generation goes on
+            log.exception("%s: could not count a dropped uniform group", self.generator_id)
+
     def _set_aside_group(self, prompt: Prompt, samples: list[Sample], reason: str, detail: str) -> None:
         self._set_aside[reason] += 1
         if self._set_aside[reason] in (1, 10, 100) or self._set_aside[reason] % 1000 == 0:
@@ -399,6 +413,7 @@ class Generator:
             aborted=self._counts["aborted"],
             set_aside=dict(self._set_aside),
             set_aside_total=sum(self._set_aside.values()),
+            dropped_uniform=self._counts["dropped_uniform"],
             dead_letter_errors=self._counts["dead_letter_errors"],
             weight_updates=self._counts["weight_updates"],
             inflight_updates=self._counts["inflight_updates"],
@@ -462,4 +477,11 @@ def make_generator(
         max_inflight=g.max_inflight,
         schedule=g.schedule,
         weight_updates=g.weight_updates,
+        drop_uniform_groups=g.drop_uniform_groups,
     )
+
+
+def _uniform(group: Group) -> bool:
+    """All of the group's rewards are equal (a group of one never is: RLOO-style baselines
+    aside, nothing is learnt from it either way, and dropping every group would starve the job)."""
+    return group.size > 1 and len({t.reward for t in group.members}) == 1

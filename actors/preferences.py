@@ -164,6 +164,7 @@ class PreferenceProducer:
             produced=self._counts["produced"], groups=self._counts["groups"], tokens=self._counts["tokens"],
             steps=0, sequences=0, aborted=0, set_aside=dict(self._set_aside),
             set_aside_total=sum(self._set_aside.values()),
+            dropped_uniform=0,
             dead_letter_errors=0, weight_updates=self._counts["weight_updates"], inflight_updates=0,
             run_s=self._seconds["run"], generate_s=0.0, score_s=0.0, put_s=self._seconds["put"], idle_s=0.0,
             weight_update_s=0.0, weight_wait_s=0.0, mean_inflight=0.0, tokens_per_s=0.0,

@@ -201,6 +201,10 @@ class GeneratorConfig(_Section):
     # every sample is exactly min(V, weight_lag) versions old when trained: the staleness study
     # (`async-rlhf study staleness`) uses it to realise k whatever the stages' speeds.
     weight_lag: int = 0
+    # Dynamic sampling (DAPO): a group whose rewards are all equal (GRPO learns nothing from it)
+    # is dropped before the stream and counted (dropped_uniform); the gate frees its slots, so
+    # the generator keeps producing and learner batches stay full of groups that teach.
+    drop_uniform_groups: bool = False
 
     def _validate(self) -> None:
         _check(self.max_restarts >= 0, "generator.max_restarts", self.max_restarts, ">= 0")
@@ -304,6 +308,15 @@ class LearnerConfig(_Section):
     dpo_beta: float = 0.1  # DPO's beta: the strength of the implicit KL to the reference
     dpo_length_norm: bool = False  # dpo: mean per-token log-probs of a response instead of their sum
     rs_threshold: float = 0.0  # rs trains on a group's best response only if its reward is at least this
+    # Before advantages (learners/shaping.py), in this order. Responses cut at their token limit
+    # (generator.max_new_tokens; env.max_tokens or env.max_turns for episodes): none; mask (loss
+    # mask 0, DAPO's overlong filtering); soft (DAPO's soft punishment: the reward falls linearly
+    # by up to overlong_penalty over the last overlong_buffer tokens before the limit).
+    overlong: Literal["none", "mask", "soft"] = "none"
+    overlong_buffer: int = 0  # soft: tokens before the limit where the penalty starts (DAPO's L_cache)
+    overlong_penalty: float = 1.0  # soft: the penalty at the limit
+    reward_norm: bool = False  # rewards minus their running mean, over their running std (every batch so far)
+    reward_clip: float = 0.0  # rewards (normalised, with reward_norm) clipped to [-c, c]; 0: no clipping
 
     def _validate(self) -> None:
         self._positive("steps", "batch_size", "micro_batch", "ranks", "threads", "lr", "clip_eps", "is_cap")
@@ -317,6 +330,8 @@ class LearnerConfig(_Section):
                    "learner.dpo_beta, rs no KL term)")
         self._positive("max_reuse", "minibatches", "critic_lr", "wait_s")
         _check(self.max_restarts >= 0, "learner.max_restarts", self.max_restarts, ">= 0")
+        _check(self.reward_clip >= 0, "learner.reward_clip", self.reward_clip, ">= 0 (0: no clipping)")
+        _check(self.overlong_penalty >= 0, "learner.overlong_penalty", self.overlong_penalty, ">= 0")
         if self.backend == "torch":
             _check(self.ranks == 1, "learner.ranks", self.ranks,
                    "1 with learner.backend=torch (one process; use deepspeed for several ranks)")
@@ -459,6 +474,10 @@ class Config(_Section):
                    "one producer needs no core of its own; set learner.threads/ranks by hand)")
         if self.env.target:
             self._validate_episodes()
+        if self.learner.overlong == "soft":  # the penalty ramps over the buffer's last tokens
+            _check(0 < self.learner.overlong_buffer < self.response_limit, "learner.overlong_buffer",
+                   self.learner.overlong_buffer, f"in 1..{self.response_limit - 1} with learner.overlong=soft "
+                   f"(tokens before the response limit, {self.response_limit}, where the penalty starts)")
         if self.learner.algorithm == "dpo":  # a pair is two responses to one prompt
             _check(self.generator.group_size >= 2, "generator.group_size", self.generator.group_size,
                    ">= 2 with learner.algorithm=dpo (a pair is two responses of one group)")
@@ -466,6 +485,12 @@ class Config(_Section):
             _check(self.learner.micro_batch % self.generator.group_size == 0, "learner.micro_batch",
                    self.learner.micro_batch, f"a multiple of generator.group_size ({self.generator.group_size}) "
                    "with learner.algorithm=dpo (a micro-batch holds whole groups)")
+
+    @property
+    def response_limit(self) -> int:
+        """The most tokens a response may have: env.max_tokens for episodes, else
+        generator.max_new_tokens."""
+        return self.env.max_tokens if self.env.target else self.generator.max_new_tokens
 
     def _validate_episodes(self) -> None:
         why = f"with env.target={self.env.target!r} (episodes)"

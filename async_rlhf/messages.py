@@ -169,6 +169,7 @@ class GeneratorStats:
     aborted: int
     set_aside: Mapping[str, int]
     set_aside_total: int
+    dropped_uniform: int  # groups whose rewards were all equal, dropped (generator.drop_uniform_groups)
     dead_letter_errors: int
     weight_updates: int
     inflight_updates: int
@@ -209,6 +210,7 @@ class GeneratorTotals:
     put_s: float = 0.0
     idle_s: float = 0.0
     weight_update_s: float = 0.0
+    dropped_uniform: float = 0.0
 
     @classmethod
     def of(cls, stats: Iterable[GeneratorStats]) -> GeneratorTotals:
@@ -226,7 +228,7 @@ class GeneratorTotals:
 
 # -- the experience stream's accounting -------------------------------------------------------
 # counters that record events rather than where an entry went
-_EVENTS = ("produced", "foreign", "reclaimed", "ack_lost", "set_aside")
+_EVENTS = ("produced", "foreign", "reclaimed", "ack_lost", "set_aside", "dropped_uniform")
 
 
 def not_trained(counters: Mapping[str, int]) -> int:
@@ -244,7 +246,8 @@ class Accounting:
     still undelivered) = trained + dropped_stale + dead_lettered + acked_other (other ack
     reasons) + left_in_queue; `lost` is what that leaves over, 0 unless something is wrong.
     `set_aside` (set_aside:<reason>) counts groups the generators set aside before producing
-    them. `counters`: the stream's shared counters as they are."""
+    them, `dropped_uniform` those they dropped because all their rewards were equal
+    (generator.drop_uniform_groups). `counters`: the stream's shared counters as they are."""
 
     produced: int
     foreign: int
@@ -255,6 +258,7 @@ class Accounting:
     left_in_queue: int
     set_aside: Mapping[str, int]
     counters: Mapping[str, int]
+    dropped_uniform: int = 0
 
     LINE = ("produced", "foreign", "trained", "dropped_stale", "dead_lettered", "left_in_queue", "lost")
 
@@ -271,6 +275,7 @@ class Accounting:
             left_in_queue=left_in_queue,
             set_aside={k: v for k, v in counters.items() if k.startswith("set_aside:")},
             counters=dict(counters),
+            dropped_uniform=counters.get("dropped_uniform", 0),
         )
 
     @property
@@ -283,7 +288,7 @@ class Accounting:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Accounting:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
 @dataclass(frozen=True)
@@ -330,6 +335,7 @@ class JobSummary:
         if acc:
             at = Accounting.LINE.index("left_in_queue")
             counts[at:at] = [f"{k}={v}" for k, v in sorted(acc.acked_other.items()) if v]
+            counts += [f"dropped_uniform={acc.dropped_uniform}"] if acc.dropped_uniform else []
         return f"summary: {', '.join(counts)}" + (f"; error: {self.error.splitlines()[0]}" if self.error else "")
 
 

@@ -154,6 +154,11 @@ class ExperienceQueue(Protocol):
         `reason` is a short tag that is counted, `payload` opaque bytes (JSON from generators)."""
         ...
 
+    def count_dropped(self, reason: str) -> None:
+        """Count a group its producer dropped on purpose, never put: not bad data, so not
+        dead-lettered (`uniform`: all its rewards were equal), as the counter dropped_<reason>."""
+        ...
+
     def stats(self) -> QueueStats: ...
 
 

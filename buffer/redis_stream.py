@@ -402,6 +402,11 @@ class RedisExperienceQueue:
         pipe.execute()
         log.warning("dead letter from %s: %s: %s", self.consumer, reason, detail)
 
+    def count_dropped(self, reason: str) -> None:
+        """Count a group its producer dropped (generator.drop_uniform_groups) as dropped_<reason>:
+        an event, like set_aside, outside produced = trained + dropped_* + ... (Accounting)."""
+        self._r.hincrby(self.counters_key, f"dropped_{reason}", 1)
+
     # -- inspection --------------------------------------------------------------------------
 
     def stats(self) -> QueueStats:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from async_rlhf.types import Received
 
 _INT_KEYS = ("input_ids", "attention_mask", "positions", "versions", "groups")
-_FLOAT_KEYS = ("mask", "behavior_logp", "rewards")
+_FLOAT_KEYS = ("mask", "behavior_logp", "rewards", "finished")
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Batch:
     mask: torch.Tensor  # float32 [B, T], 1 on the response tokens the model sampled
     behavior_logp: torch.Tensor  # float32 [B, T]
     rewards: torch.Tensor  # float32 [B]
+    finished: torch.Tensor  # float32 [B], 0 where the response was cut at its token limit
 
     @classmethod
     def from_received(cls, items: Sequence[Received]) -> Batch:
@@ -46,6 +47,7 @@ class Batch:
             mask=torch.zeros(B, T),
             behavior_logp=torch.zeros(B, T),
             rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+            finished=torch.tensor([t.finished for t in trajs], dtype=torch.float32),
         )
         for i, t in enumerate(trajs):
             P, R = len(t.prompt_ids), len(t.response_ids)  # P >= 1: checked by Learner._admit
@@ -84,7 +86,7 @@ class Batch:
         dist.broadcast(shape, 0)
         B, L, T = shape.tolist()
         dims = {"input_ids": (B, L), "attention_mask": (B, L), "positions": (B, T), "versions": (B,),
-                "groups": (B,), "mask": (B, T), "behavior_logp": (B, T), "rewards": (B,)}
+                "groups": (B,), "mask": (B, T), "behavior_logp": (B, T), "rewards": (B,), "finished": (B,)}
         out = {}
         for k, dim in dims.items():
             dtype = torch.long if k in _INT_KEYS else torch.float32

@@ -50,6 +50,7 @@ from learners import advantages as adv_fns
 from learners.batch import Batch, token_staleness
 from learners.losses import NonFiniteError, aggregate, check_finite, kl_penalty, policy_loss, value_loss
 from learners.preference import PreferenceObjective
+from learners.shaping import Shaping
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class Learner:
         replay: ReplayBuffer | None = None,
         publisher: WeightPublisher | None = None,
         ckpt_dir: str | os.PathLike | None = None,
+        response_limit: int = 0,
     ):
         self.cfg, self.backend = cfg, backend
         self.rank, self.world = backend.rank, backend.world_size
@@ -109,6 +111,7 @@ class Learner:
         self._last_progress = time.monotonic()  # when data last arrived (learner.wait_s)
         self._giving_up = False  # the job is ending with an error: stop waiting for data
         self.counters: collections.Counter[str] = collections.Counter()
+        self.shaping = Shaping(cfg, response_limit)  # overlong, reward normalisation and clipping
         self._publish = publisher is not None
         if self.world > 1:  # every rank joins the ZeRO-3 gather iff rank 0 publishes
             flag = torch.tensor([int(self._publish)], device=backend.device)
@@ -376,6 +379,7 @@ class Learner:
         """`minibatches` optimizer steps on this rank's rows. A step where any rank's loss is not
         finite, or whose gradient norm is not, changes nothing and is counted (_count_skip)."""
         cfg, be = self.cfg, self.backend
+        batch = self.shaping(batch) if self.shaping.active else batch  # the metrics keep the scored rewards
         B = batch.input_ids.shape[0]
         rows = self._rank_rows(batch).to(batch.mask.device)
         local = batch.rows(rows)
@@ -394,7 +398,8 @@ class Learner:
         bw_max = torch.zeros(1, device=be.device)
         for m in range(cfg.minibatches):
             mb_rows = slice(m * per_mb, (m + 1) * per_mb)
-            counts = (dict(num_tokens=float(batch.mask[mb_rows].sum()), num_seqs=float(per_mb))
+            # at least 1: learner.overlong=mask may have masked every row
+            counts = (dict(num_tokens=max(float(batch.mask[mb_rows].sum()), 1.0), num_seqs=float(per_mb))
                       if self.objective is None else self.objective.counts(batch, roles, mb_rows))
             local_m = local.rows(torch.arange(m * n_local, (m + 1) * n_local))
             why_skip = ""  # set on every rank once any rank's loss in this optimizer step is not finite
@@ -530,7 +535,7 @@ class Learner:
             return
         positions = self.queue.prompt_positions() if self.queue is not None else {}
         state = {"policy_version": self.version, "counters": dict(self.counters),
-                 "prompt_positions": positions}
+                 "prompt_positions": positions, "reward_moments": self.shaping.moments.state_dict()}
         self.backend.save_checkpoint(self.ckpt_dir, tag=f"v{self.version}", client_state=state)
         self._saved_version = self.version
         if self.world > 1:
@@ -548,6 +553,8 @@ class Learner:
             return False
         self.version = self._saved_version = int(state["policy_version"])
         self.counters = collections.Counter(state["counters"])
+        if "reward_moments" in state:
+            self.shaping.moments.load_state_dict(state["reward_moments"])
         if self.queue is not None:  # the stream's own positions win where it has them
             self.queue.restore_prompt_positions(state.get("prompt_positions", {}))
         return True

@@ -29,7 +29,7 @@ class ListQueue:
     """An in-memory ExperienceQueue: enough for the loop's logic (the Redis one is tested in buffer/)."""
 
     def __init__(self):
-        self.items, self.dead = [], []
+        self.items, self.dead, self.dropped = [], [], []
 
     def put(self, groups, timeout_s=None, prompt_position=None):
         self.items.extend(groups)
@@ -42,6 +42,9 @@ class ListQueue:
 
     def dead_letter(self, reason, detail, payload=b""):
         self.dead.append((reason, detail, json.loads(payload)))
+
+    def count_dropped(self, reason):
+        self.dropped.append(reason)
 
     def get(self, count, block_ms=1000):
         return []
@@ -170,6 +173,11 @@ def one_nan_reward(prompts, responses):
     return out
 
 
+def uniform_if_asked(prompts, responses):
+    """0.5 for every sample of a prompt whose answer is 'same'; else the response's length."""
+    return [0.5 if p.answer == "same" else float(len(r)) + 0.1 * i for i, (p, r) in enumerate(zip(prompts, responses))]
+
+
 RECORDS = [("copy 1=", "boom"), ("copy 2=", "nan"), ("copy 3=", "3"), ("copy 4=", "4")]
 
 
@@ -215,6 +223,22 @@ def test_failed_rewards_are_set_aside_and_loop_goes_on(vllm_engine, tiny_actor_m
         assert t.policy_version == 0 and t.version_spans == ((0, 0),) and t.generation_s > 0
     assert len({g.group_id for g in queue.items}) == 4
     assert stats.tokens == sum(len(t.response_ids) for t in queue.samples()) and stats.tokens_per_s > 0
+
+
+@pytest.mark.slow
+def test_groups_with_equal_rewards_are_dropped_counted_and_their_slots_freed(vllm_engine, tiny_actor_model):
+    """generator.drop_uniform_groups: a group whose rewards are all equal never reaches the
+    stream and is counted, not dead-lettered; its gate slots free, so the generator admits
+    others in its place (the gate below holds one batch of 8 groups at a time)."""
+    queue, gate = ListQueue(), StalenessGate(max_staleness=0, batch_size=16)
+    records = [("copy 1=", "same"), ("copy 2=", "2"), ("copy 3=", "same"), ("copy 4=", "4")]
+    gen = _generator(vllm_engine, tiny_actor_model, queue, gate, records=records, reward="uniform_if_asked",
+                     drop_uniform_groups=True)
+    stats = gen.run(threading.Event(), max_groups=12)
+    assert stats.dropped_uniform == 6 == len(queue.dropped) and set(queue.dropped) == {"uniform"}
+    assert stats.groups == 6 == len(queue.items) and not queue.dead and stats.set_aside == {}
+    assert all(len({t.reward for t in g.members}) > 1 for g in queue.items)
+    assert (gate.accepted, gate.running) == (12, 0)  # of 24 samples admitted, the dropped 12 freed their slots
 
 
 @pytest.mark.slow

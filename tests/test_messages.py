@@ -37,7 +37,7 @@ def _gen(**changes) -> GeneratorStats:
     s = GeneratorStats(
         generator_id="gen-0", policy_version=3, schedule="stream", update_mode="inflight", prompt_start=0,
         prompt_position=12, produced=24, groups=12, tokens=480, steps=100, aborted=0,
-        set_aside={"reward_nan": 1}, set_aside_total=1, dead_letter_errors=0, weight_updates=3,
+        set_aside={"reward_nan": 1}, set_aside_total=1, dropped_uniform=2, dead_letter_errors=0, weight_updates=3,
         inflight_updates=2, run_s=10.0, generate_s=6.0, score_s=1.0, put_s=0.5, idle_s=3.0,
         weight_update_s=0.5, weight_wait_s=0.1, mean_inflight=7.5, sequences=8, tokens_per_s=80.0, last_mean_reward=0.5,
         node="host", pid=123, node_id="abc")
@@ -47,7 +47,7 @@ def _gen(**changes) -> GeneratorStats:
 def _summary() -> JobSummary:
     acc = Accounting.from_counters({"produced": 10, "foreign": 1, "trained": 8, "dropped_stale": 1,
                                     "reclaimed": 2, "set_aside": 1, "set_aside:reward_nan": 1,
-                                    "copied": 1}, left_in_queue=1, foreign_backlog=0)
+                                    "copied": 1, "dropped_uniform": 3}, left_in_queue=1, foreign_backlog=0)
     return JobSummary(acc, (_gen(),), wall_s=30.0, redis_restarts=0, generator_stalls=1,
                       startup={"first_step": 9.5}, placement="manual", shutdown_s=2.0)
 
@@ -69,8 +69,9 @@ def test_accounting_interprets_the_stream_counters():
     assert acc.acked_other == {"copied": 1} and acc.set_aside == {"set_aside:reward_nan": 1}
     assert acc.lost == 10 + 1 - 8 - 1 - 1 - 1 == 0
     assert not_trained(acc.counters) == 2  # dropped_stale and copied; events are no outcome
+    assert acc.dropped_uniform == 3  # groups never put: no part of produced
     assert _summary().line() == ("summary: produced=10, foreign=1, trained=8, dropped_stale=1, dead_lettered=0, "
-                                 "copied=1, left_in_queue=1, lost=0")  # other ack reasons too: it adds up
+                                 "copied=1, left_in_queue=1, lost=0, dropped_uniform=3")  # other ack reasons too: it adds up
 
 
 def test_summary_goes_to_json_and_back():

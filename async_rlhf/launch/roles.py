@@ -391,6 +391,7 @@ class LearnerWorker:
             if rank == 0 else None,
             publisher=self.broadcaster,
             ckpt_dir=self.out / "checkpoints",
+            response_limit=cfg.response_limit,
         )
         if self.resume:
             self.learner.resume()
