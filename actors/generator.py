@@ -302,10 +302,10 @@ class Generator:
                 self._resolved(flight, 0)
             elif isinstance(group, Group):
                 self._held.append((flight, group))
-                self._release()
             else:
                 self._set_aside_group(flight.prompt, samples, *group)
                 self._resolved(flight, 0)
+            self._release()  # whatever became of it, newer groups held behind it may go now
 
     def _release(self) -> None:
         """Put the held groups whose admission version no open group's is older than."""

@@ -325,6 +325,11 @@ class LearnerConfig(_Section):
             _check(self.advantage != "gae", "learner.advantage", self.advantage,
                    f"grpo, rloo or reinforce_pp with learner.algorithm={self.algorithm} "
                    "(gae trains a critic that dpo and rs never use)")
+            shaped = {k: v for k, v in (("overlong", self.overlong), ("reward_norm", self.reward_norm),
+                                        ("reward_clip", self.reward_clip)) if v not in ("none", False, 0)}
+            _check(not shaped, "learner's reward shaping", shaped,
+                   f"off with learner.algorithm={self.algorithm}: it picks pairs and best responses "
+                   "by the rewards as scored (rs_threshold too); overlong and reward_norm/clip are ppo's")
             _check(self.kl_coef == 0, "learner.kl_coef", self.kl_coef,
                    f"0 with learner.algorithm={self.algorithm} (dpo has its KL strength in "
                    "learner.dpo_beta, rs no KL term)")

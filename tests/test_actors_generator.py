@@ -120,6 +120,51 @@ def test_new_groups_never_overtake_old_ones_in_the_stream(tiny_actor_model):
     assert gen.stats().inflight_updates == 1 and gate.running == 0
 
 
+class NumberedEngine(ScriptedEngine):
+    """ScriptedEngine whose samples' texts are '<tokens>:<index in the group>'."""
+
+    def _samples(self, group):
+        return [dataclasses.replace(s, text=f"{len(s.response_ids)}:{i}")
+                for i, s in enumerate(super()._samples(group))]
+
+
+def long_ones_uniform(prompts, responses):
+    """0.5 for every sample of a response longer than 100 tokens; else its index in the group."""
+    return [0.5 if int(r.split(":")[0]) > 100 else float(r.split(":")[1]) for r in responses]
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_a_group_of_equal_rewards_is_dropped_unput_and_lets_the_next_go(tiny_actor_model, drop):
+    """generator.drop_uniform_groups: the long group (version 0, rewards all 0.5) finishes after
+    a short one of version 1 (rewards 0, 1) that waits for it in order. Dropped, it is counted
+    (in the stream's counters too), never dead-lettered, gives its slots back with 0 accepted,
+    and lets the waiting group go at once. Without the option it is put like any other."""
+    engine = NumberedEngine([300, 1, 10**6])  # the third group never ends: nothing else is scored
+    queue, gate = ListQueue(), StalenessGate(max_staleness=0, batch_size=2)  # a group per version
+    gen = _generator(engine, tiny_actor_model, queue, gate, reward="long_ones_uniform",
+                     drop_uniform_groups=drop)
+    stop = threading.Event()
+    runner = threading.Thread(target=gen.run, args=(stop,))
+    runner.start()
+    try:
+        deadline = time.time() + 30
+        while engine.submitted < 1 and time.time() < deadline:
+            time.sleep(0.001)
+        gen.apply_weights(lambda: engine.update_weights([], version=1))  # admits the short group
+        want = 1 if drop else 2
+        while len(queue.items) < want and time.time() < deadline:  # before the run ends
+            time.sleep(0.001)
+        stats = gen.stats()
+        assert [[t.reward for t in g.members] for g in queue.items] == [[0.5, 0.5]] * (not drop) + [[0.0, 1.0]]
+        assert stats.dropped_uniform == len(queue.dropped) == int(drop)
+        assert stats.produced == 2 * want and not queue.dead and stats.set_aside_total == 0
+        assert gate.accepted == 2 * want  # the dropped group's 2 slots went back, not accepted
+    finally:
+        stop.set()
+        runner.join(30)
+    assert gate.running == 0
+
+
 class HangingEngine(ScriptedEngine):
     """Its third step never returns (until released): a hung engine loop."""
 

@@ -85,12 +85,28 @@ def test_rewards_list(tmp_path):
         ("generator.resources=[1]", "generator.resources must be a mapping, got [1]"),
         ("generator.resources={node_b: 0}", "generator.resources['node_b'] must be > 0, got 0.0"),
         ("generator.resources={GPU: 1}", "generator.resources must be custom resources only: CPUs come"),
+        ("learner.overlong=soft", "learner.overlong_buffer must be in 1..15 with learner.overlong=soft"),
+        ("learner.overlong=cut", "learner.overlong must be one of 'none', 'mask', 'soft'"),
+        ("learner.reward_clip=-1", "learner.reward_clip must be >= 0 (0: no clipping), got -1.0"),
+        ("env.max_turns=0", "env.max_turns must be > 0, got 0"),
+        ("env.target=myenv", "env.target must be module:Class, e.g. actors.envs:GuessNumber"),
+        ("env.args=[1]", "env.args must be a mapping, got [1]"),
     ],
 )
 def test_bad_values_name_key_value_and_fix(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(overrides=[override])
     assert message in str(e.value)
+
+
+def test_reward_shaping_is_ppos_and_episodes_need_vllm_and_ppo():
+    with pytest.raises(ConfigError, match=r"reward shaping must be off with learner.algorithm=dpo.*'overlong': 'mask'"):
+        load_config(overrides=["learner.algorithm=dpo", "learner.overlong=mask"])
+    with pytest.raises(ConfigError, match="learner.algorithm must be ppo with env.target="):
+        load_config(overrides=["env.target=actors.envs:GuessNumber", "learner.algorithm=rs"])
+    soft = load_config(overrides=["env.target=actors.envs:GuessNumber", "env.max_tokens=40",
+                                  "learner.overlong=soft", "learner.overlong_buffer=30"])
+    assert soft.response_limit == 40  # an episode's limit is its token budget
 
 
 def test_bad_override_syntax_and_missing_file(tmp_path):
