@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import inspect
 import math
 import threading
@@ -47,8 +48,11 @@ from queue import Empty, SimpleQueue
 
 import numpy as np
 
+from async_rlhf.config import Config
 from async_rlhf.protocols import GenerationEngine
 from async_rlhf.types import Prompt, Sample
+
+from actors.rewards import load_function
 
 
 @dataclass
@@ -72,6 +76,7 @@ class _Episode:
 class _Group:
     prompt: Prompt
     episodes: list[_Episode]
+    greedy: bool = False  # argmax turns (evaluation)
     turns: set[str] = field(default_factory=set)  # its requests in the engine
 
 
@@ -103,9 +108,9 @@ class EpisodeEngine:
         the staleness gate bounds how many are open)."""
         return self.engine.num_sequences
 
-    def submit(self, key: str, prompt: Prompt, n: int) -> None:
+    def submit(self, key: str, prompt: Prompt, n: int, *, greedy: bool = False) -> None:
         version = self.engine.policy_version
-        group = self._groups[key] = _Group(prompt, [_Episode(key, i, version) for i in range(n)])
+        group = self._groups[key] = _Group(prompt, [_Episode(key, i, version) for i in range(n)], greedy)
         for episode in group.episodes:
             self._call(episode, "reset", prompt)
 
@@ -135,10 +140,10 @@ class EpisodeEngine:
             del self._turns[turn]
         self.engine.abort(turns)
 
-    def generate(self, prompts: Sequence[Prompt], n: int) -> list[list[Sample]]:
+    def generate(self, prompts: Sequence[Prompt], n: int, *, greedy: bool = False) -> list[list[Sample]]:
         """n episodes per prompt, all at once (nothing else may be in flight)."""
         for i, prompt in enumerate(prompts):
-            self.submit(str(i), prompt, n)
+            self.submit(str(i), prompt, n, greedy=greedy)
         done: dict[str, list[Sample]] = {}
         while len(done) < len(prompts):
             done.update(self.step())
@@ -164,7 +169,7 @@ class EpisodeEngine:
         key = f"{episode.group}#{episode.index}.{episode.turns}"
         context = dataclasses.replace(group.prompt, token_ids=(*group.prompt.token_ids, *episode.ids))
         budget = min(self.max_new_tokens, self.max_tokens - len(episode.ids))
-        self.engine.submit(key, context, 1, max_tokens=budget)
+        self.engine.submit(key, context, 1, max_tokens=budget, **({"greedy": True} if group.greedy else {}))
         self._turns[key] = episode
         group.turns.add(key)
 
@@ -241,3 +246,15 @@ class EpisodeEngine:
             reward=episode.reward,
             failure=episode.failure,
         )
+
+
+def episodes_of(cfg: Config, engine: GenerationEngine, tokenizer) -> GenerationEngine:
+    """`engine` playing cfg.env's episodes (as is without an env.target): the generators' and
+    the evaluator's."""
+    env = cfg.env
+    if not env.target:
+        return engine
+    make_env = functools.partial(load_function(env.target, "env.target"), **env.args)
+    return EpisodeEngine(engine, make_env, tokenizer, max_turns=env.max_turns, max_tokens=env.max_tokens,
+                         max_new_tokens=cfg.generator.max_new_tokens, timeout_s=env.timeout_s,
+                         concurrency=env.concurrency)

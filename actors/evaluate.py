@@ -1,5 +1,5 @@
 """Held-out evaluation: a fixed prompt set decoded by one policy version and scored by the job's
-own rewards.
+own rewards (with env.target: episodes, scored by their environment).
 
 `Evaluator.evaluate()` decodes every prompt greedily (`eval_reward`: the mean reward) and, with
 `samples` = k > 0, k more samples per prompt at the training temperature (`eval_reward_sampled`,
@@ -25,6 +25,7 @@ from async_rlhf.messages import EvalResult
 from async_rlhf.protocols import GenerationEngine
 from async_rlhf.types import Prompt
 
+from actors.episodes import episodes_of
 from actors.prompts import ChatRenderer, PromptStream, load_records
 from actors.rewards import Scored, Scorer
 
@@ -42,14 +43,14 @@ class Evaluator:
         start = time.perf_counter()
         version = self.engine.policy_version
         greedy = [group[0] for group in self.engine.generate(self.prompts, 1, greedy=True)]
-        scored = self.scorer.score(self.prompts, [s.text for s in greedy])
+        scored = self.scorer.score_samples(self.prompts, greedy)
         failed = sum(not r.ok for r in scored)
         sampled_reward = pass_at_k = None
         if self.samples:
             k = self.samples
             groups = self.engine.generate(self.prompts, k)
-            sampled = self.scorer.score([p for p in self.prompts for _ in range(k)],
-                                        [s.text for group in groups for s in group])
+            sampled = self.scorer.score_samples([p for p in self.prompts for _ in range(k)],
+                                                [s for group in groups for s in group])
             per_prompt = [sampled[i * k:(i + 1) * k] for i in range(len(self.prompts))]
             sampled_reward = _mean(sampled)
             pass_at_k = sum(any(r.ok and r.reward >= self.pass_reward for r in rs)
@@ -93,8 +94,9 @@ def make_evaluator(cfg: Config, engine: GenerationEngine | None = None, device: 
     g = cfg.generator
     model_cfg = AutoConfig.from_pretrained(cfg.model.path)
     context = getattr(model_cfg, "max_position_embeddings", None) or getattr(model_cfg, "n_positions", None)
-    prompts = eval_prompts(cfg, AutoTokenizer.from_pretrained(cfg.model.path),
-                           max_tokens=context and context - g.max_new_tokens)
-    engine = engine or make_engine(g, cfg.model.path, seed=cfg.seed, device=device, model_dtype=cfg.model.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    prompts = eval_prompts(cfg, tokenizer, max_tokens=context and context - cfg.response_limit)
+    engine = episodes_of(cfg, engine or make_engine(g, cfg.model.path, seed=cfg.seed, device=device,
+                                                    model_dtype=cfg.model.dtype), tokenizer)
     return Evaluator(engine, prompts, Scorer.from_specs(cfg.rewards), samples=cfg.eval.samples,
                      pass_reward=cfg.eval.pass_reward)

@@ -41,7 +41,6 @@ engine when it died are skipped, never generated twice.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import threading
@@ -59,9 +58,9 @@ from async_rlhf.messages import GeneratorStats
 from async_rlhf.protocols import AdmissionGate, ExperienceQueue, GenerationEngine
 from async_rlhf.types import Group, Prompt, Sample, Trajectory, TrajectoryError
 
-from actors.episodes import EpisodeEngine
+from actors.episodes import episodes_of
 from actors.prompts import PromptStream, make_prompt_stream
-from actors.rewards import Scored, Scorer, load_function
+from actors.rewards import Scored, Scorer
 
 log = logging.getLogger(__name__)
 
@@ -288,12 +287,7 @@ class Generator:
             self._resolved(flight, 0)
             return
         start = time.perf_counter()
-        if any(s.failure for s in samples) or all(s.reward is not None for s in samples):
-            # an episode's environment failed, or rewarded every episode (actors/episodes.py)
-            scored = [Scored(failure=s.failure) if s.failure else Scored(s.reward, {"env": s.reward})
-                      for s in samples]
-        else:
-            scored = self.scorer.score([flight.prompt] * len(samples), [s.text for s in samples])
+        scored = self.scorer.score_samples([flight.prompt] * len(samples), samples)
         with self._results:
             self._seconds["score"] += time.perf_counter() - start
             group = self._group(flight, samples, scored, gen_s)
@@ -450,20 +444,14 @@ def make_generator(
 
     from actors.engines import make_engine
 
-    g, env = cfg.generator, cfg.env
+    g = cfg.generator
     model_cfg = AutoConfig.from_pretrained(cfg.model.path)
     context = getattr(model_cfg, "max_position_embeddings", None) or getattr(model_cfg, "n_positions", None)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    response_tokens = env.max_tokens if env.target else g.max_new_tokens
     prompts = make_prompt_stream(cfg.data, tokenizer, seed=cfg.seed, stream=index,
-                                 max_tokens=context and context - response_tokens)
-    engine = engine or make_engine(g, cfg.model.path, seed=cfg.seed + index, device=device,
-                                   model_dtype=cfg.model.dtype)
-    if env.target:
-        make_env = functools.partial(load_function(env.target, "env.target"), **env.args)
-        engine = EpisodeEngine(engine, make_env, tokenizer, max_turns=env.max_turns, max_tokens=env.max_tokens,
-                               max_new_tokens=g.max_new_tokens, timeout_s=env.timeout_s,
-                               concurrency=env.concurrency)
+                                 max_tokens=context and context - cfg.response_limit)
+    engine = episodes_of(cfg, engine or make_engine(g, cfg.model.path, seed=cfg.seed + index, device=device,
+                                                    model_dtype=cfg.model.dtype), tokenizer)
     scorer = Scorer.from_specs(cfg.rewards, g.reward_concurrency)
     scorer.pool.start()
     return Generator(

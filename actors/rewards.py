@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from async_rlhf.config import RewardSpec
 from async_rlhf.protocols import RewardFn
-from async_rlhf.types import Prompt
+from async_rlhf.types import Prompt, Sample
 
 from actors.reward_pool import RewardPool
 
@@ -197,6 +197,15 @@ class Scorer:
             Scored(sum(weights[k] * v for k, v in p.items()), p) if f is None else Scored(failure=f)
             for p, f in zip(parts, failures)
         ]
+
+    def score_samples(self, prompts: Sequence[Prompt], samples: Sequence[Sample]) -> list[Scored]:
+        """The samples' rewards: their environment's where it failed or rewarded every one
+        (episodes, actors/episodes.py), else this scorer's on their text (so samples scored
+        together are never scored two ways)."""
+        if any(s.failure for s in samples) or all(s.reward is not None for s in samples):
+            return [Scored(failure=s.failure) if s.failure else Scored(s.reward, {"env": s.reward})
+                    for s in samples]
+        return self.score(prompts, [s.text for s in samples])
 
     def _call(self, index: int, deadline: float, prompts, responses) -> list:
         """One value per response: a finite float or a (reason, detail) failure."""

@@ -505,8 +505,6 @@ class Config(_Section):
                f"ppo {why}")
         _check(self.data.source != "preferences", "data.source", self.data.source,
                f"a prompt source {why}")
-        _check(not self.eval.every, "eval.every", self.eval.every,
-               f"0 {why}: held-out evaluation scores single completions")
 
     def to_yaml(self) -> str:
         """The resolved config as YAML, fit to print or keep (a Redis password is redacted)."""

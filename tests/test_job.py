@@ -153,19 +153,22 @@ def test_an_agent_job_trains_on_episodes_with_a_slow_tool_and_accounts_for_every
     """configs/agent.yaml's episodes (calculator calls, up to 3 turns) with a tool that answers
     in 50 ms, dynamic sampling and DAPO's overlong mask: the job trains full batches, the groups
     whose rewards were all equal (most, at first: every episode scores 0) are dropped and
-    counted, nothing is lost or set aside, and the exported policy loads with its tokenizer."""
+    counted, nothing is lost or set aside, held-out episodes are evaluated, and the exported
+    policy loads with its tokenizer."""
     from transformers import AutoTokenizer
 
     proc = _train(tmp_path, tiny_actor_model, "agent", "data.task=calc", "env.target=actors.envs:Calculator",
                   "env.args.latency_s=0.05", "env.max_turns=3", "env.max_tokens=24", "generator.max_new_tokens=4",
                   'generator.stop=["?"]', "learner.steps=6", "generator.drop_uniform_groups=true",
-                  "learner.overlong=mask")
+                  "learner.overlong=mask", "eval.every=3", "eval.prompts=4", "eval.samples=2")
     metrics, summary = _finish(tmp_path, "agent", proc)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6] and {m["samples"] for m in metrics} == {8}
     _check_accounting(summary)
     assert summary["trained"] == 6 * 8 // 2 and summary["set_aside"] == {}, summary
     assert summary["dropped_uniform"] > 0 and summary["dropped_uniform"] == sum(
         g["dropped_uniform"] for g in summary["generators"]), summary
+    evals = [e for m in metrics for e in m.get("evals", [])]  # held-out episodes, scored by the calculator
+    assert evals[-1]["policy_version"] == 6 and all(e["eval_failed"] == 0 and e["eval_prompts"] == 4 for e in evals)
     assert AutoTokenizer.from_pretrained(tmp_path / "agent" / "policy").encode("calc 1+2=")
 
 
