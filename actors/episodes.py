@@ -42,6 +42,7 @@ import functools
 import inspect
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from queue import Empty, SimpleQueue
@@ -93,6 +94,8 @@ class EpisodeEngine:
         self._groups: dict[str, _Group] = {}
         self._turns: dict[str, _Episode] = {}  # engine request key -> its episode
         self._replies: SimpleQueue[tuple[_Episode, str, concurrent.futures.Future]] = SimpleQueue()
+        self.episodes = self.turns = 0  # of the episodes returned (step)
+        self.env_s = 0.0  # seconds spent in environment calls, summed over episodes
         self._loop = asyncio.new_event_loop()
         self._loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(concurrency, "env"))
         threading.Thread(target=self._loop.run_forever, name="env-loop", daemon=True).start()
@@ -131,8 +134,10 @@ class EpisodeEngine:
         for episode, method, future in replies:
             if episode.group in self._groups and not episode.ended:
                 self._replied(episode, method, future)
-        ended = [key for key, g in self._groups.items() if all(e.ended for e in g.episodes)]
-        return [(key, [self._sample(e) for e in self._groups.pop(key).episodes]) for key in ended]
+        ended = [self._groups.pop(key) for key, g in list(self._groups.items()) if all(e.ended for e in g.episodes)]
+        self.episodes += sum(len(g.episodes) for g in ended)
+        self.turns += sum(e.turns for g in ended for e in g.episodes)
+        return [(g.episodes[0].group, [self._sample(e) for e in g.episodes]) for g in ended]
 
     def abort(self, keys: Sequence[str]) -> None:
         turns = [turn for key in keys if key in self._groups for turn in self._groups.pop(key).turns]
@@ -155,11 +160,15 @@ class EpisodeEngine:
         the environment first); its outcome is queued for `step`."""
 
         async def call():
-            if method == "reset":
-                episode.env = await asyncio.to_thread(self.make_env)
-            fn = getattr(episode.env, method)
-            pending = fn(arg) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, arg)
-            return await asyncio.wait_for(pending, self.timeout_s)
+            start = time.perf_counter()
+            try:
+                if method == "reset":
+                    episode.env = await asyncio.to_thread(self.make_env)
+                fn = getattr(episode.env, method)
+                pending = fn(arg) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, arg)
+                return await asyncio.wait_for(pending, self.timeout_s)
+            finally:
+                self.env_s += time.perf_counter() - start  # only this loop's thread writes it
 
         future = asyncio.run_coroutine_threadsafe(call(), self._loop)
         future.add_done_callback(lambda f: self._replies.put((episode, method, f)))

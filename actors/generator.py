@@ -58,7 +58,7 @@ from async_rlhf.messages import GeneratorStats
 from async_rlhf.protocols import AdmissionGate, ExperienceQueue, GenerationEngine
 from async_rlhf.types import Group, Prompt, Sample, Trajectory, TrajectoryError
 
-from actors.episodes import episodes_of
+from actors.episodes import EpisodeEngine, episodes_of
 from actors.prompts import PromptStream, make_prompt_stream
 from actors.rewards import Scored, Scorer
 
@@ -422,6 +422,8 @@ class Generator:
             sequences=len(self._inflight) * self.group_size,  # len(): safe from another thread
             tokens_per_s=self._counts["tokens"] / gen_s if gen_s else 0.0,
             last_mean_reward=self._last_reward,
+            **({"episodes": self.engine.episodes, "turns": self.engine.turns, "env_s": self.engine.env_s}
+               if isinstance(self.engine, EpisodeEngine) else {}),
         )
 
 

@@ -189,6 +189,9 @@ class GeneratorStats:
     node_id: str = ""
     weight_receive_s: float = 0.0
     error: str = ""  # the traceback that ended its loop, if one did
+    episodes: int = 0  # with env.target: episodes ended, their model turns, seconds in environment calls
+    turns: int = 0
+    env_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -211,6 +214,9 @@ class GeneratorTotals:
     idle_s: float = 0.0
     weight_update_s: float = 0.0
     dropped_uniform: float = 0.0
+    episodes: float = 0.0
+    turns: float = 0.0
+    env_s: float = 0.0
 
     @classmethod
     def of(cls, stats: Iterable[GeneratorStats]) -> GeneratorTotals:

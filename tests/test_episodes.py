@@ -129,6 +129,7 @@ def test_environments_that_hang_or_raise_are_set_aside_and_the_generator_goes_on
     assert stats.set_aside == {"env_timeout": 1, "env_raised": 1}
     assert stats.groups == 6 and stats.produced == 12 == len(queue.samples())
     assert sorted(reason for reason, _, _ in queue.dead) == ["env_raised", "env_timeout"]
+    assert stats.episodes == 16 and stats.turns >= 6 * 2 * 3 and stats.env_s >= 1.0  # the hang's timeout
     assert all(t.reward == 1.0 and t.reward_parts == {"env": 1.0} and len(t.observation_spans) == 2
                for t in queue.samples())
     assert not engine.num_sequences

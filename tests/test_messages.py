@@ -113,6 +113,10 @@ def test_a_job_record_reaches_metrics_jsonl_tensorboard_the_console_and_the_benc
     assert any((tmp_path / "tensorboard").iterdir())
     out = capsys.readouterr().out
     assert "step    1/4  reward 0.500  loss +0.2500  staleness max 1 mean 0.50  2.0 samples/s  sync 30 ms" in out
+    assert "turns/episode" not in out  # completions
+    episodes = StepRecord.of(_step(1), time=1.0, step_s=1.0, generators=1,
+                             gen_stats=[_gen(episodes=4, turns=10), _gen(episodes=4, turns=7)])
+    assert episodes.console_line(4).endswith("t 1s  turns/episode 2.12")
 
     bench = summarise(tmp_path, warmup=1)
     assert bench.timed_steps == 3 and bench.window_s == 30.0 and bench.samples_per_s == 24 / 30

@@ -74,7 +74,8 @@ class StepRecord:
         return (f"step {m.version:>4}/{steps}  reward {m.reward_mean:.3f}  loss {m.loss:+.4f}  "
                 f"staleness max {m.staleness_max} mean {m.staleness_mean:.2f}  "
                 f"{self.samples_per_s:.1f} samples/s  sync {m.weight_sync_s * 1000:.0f} ms  "
-                f"gens {self.generators}  t {self.time:.0f}s")
+                f"gens {self.generators}  t {self.time:.0f}s"
+                + (f"  turns/episode {g.turns / g.episodes:.2f}" if (g := self.gen_totals).episodes else ""))
 
 
 class MetricsLog:
