@@ -113,6 +113,22 @@ class EmbeddedRedis:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def answers(self, timeout_s: float) -> bool:
+        """Whether it replies to PING within `timeout_s` (a process that is alive but stopped,
+        SIGSTOPped or wedged, does not)."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        client = redis.Redis(host=self.host, port=self.port, password=self.password,  # one try: no retries
+                             socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+        try:
+            return bool(client.ping())
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            return False
+        finally:
+            client.close()
+
     def _write_config(self) -> Path:
         lines = [
             f"bind {self.host}",

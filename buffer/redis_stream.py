@@ -155,13 +155,14 @@ class RedisExperienceQueue:
         self._backlog_seen = self._backlog()  # undelivered entries, as measured after a put
 
     @classmethod
-    def from_config(cls, cfg: QueueConfig, url: str, consumer: str, *,
-                    retries: int = 35) -> RedisExperienceQueue:
+    def from_config(cls, cfg: QueueConfig, url: str, consumer: str, *, retries: int = 35,
+                    socket_timeout: float | None = None) -> RedisExperienceQueue:
         """`url`: cfg.redis_url, or the embedded server's url when that is None. The client
         rides out a Redis restart: a command that cannot reach the server is retried with
         backoff (50 ms doubling to 2 s), by default for about a minute before it raises (the
-        process that restarts the server itself should not wait: give it few `retries`)."""
-        client = redis.Redis.from_url(url, decode_responses=False,
+        process that restarts the server itself should not wait: give it few `retries`, and a
+        `socket_timeout`, so that a server that stops answering cannot hold it forever)."""
+        client = redis.Redis.from_url(url, decode_responses=False, socket_timeout=socket_timeout,
                                       retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries))
         return cls(
             client, consumer, stream=cfg.stream,

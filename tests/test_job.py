@@ -318,7 +318,8 @@ def _redis_server_pid(port: int) -> int:
 def test_generators_and_redis_die_and_the_job_goes_on_losing_nothing(tmp_path, tiny_actor_model):
     """One job, faults one after another: both generators killed at once (both replaced, the
     learner waiting meanwhile), then one more (its restart budget spent: the other goes on
-    alone), then the embedded redis-server (restarted, its durable stream intact); another
+    alone), then the embedded redis-server (restarted, its durable stream intact), then the
+    same stopped with SIGSTOP (alive but silent: killed and restarted likewise); another
     client's garbage in the stream is dead-lettered on the way. Nothing is lost, and the Redis
     password shows nowhere a user would paste."""
     name = "faults"
@@ -360,9 +361,14 @@ def test_generators_and_redis_die_and_the_job_goes_on_losing_nothing(tmp_path, t
         os.kill(_redis_server_pid(urlparse(record["redis_url"]).port), signal.SIGKILL)
         _wait_for(proc, lambda: "redis-server died; restarted it" in log.read_text(), 60,
                   "the launcher to restart redis-server")
+        steps = _steps_done(tmp_path, name)
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) > steps, 120, "a step after the restart")
+        os.kill(_redis_server_pid(urlparse(record["redis_url"]).port), signal.SIGSTOP)  # alive, silent
+        _wait_for(proc, lambda: "redis-server stopped answering" in log.read_text(), 120,
+                  "the launcher to kill and restart the silent redis-server")
         metrics, summary = _five_more_steps_then_stop(tmp_path, name, proc)
     assert metrics[-1]["generators"] == 1
-    assert summary["redis_restarts"] == 1
+    assert summary["redis_restarts"] == 2
     _check_accounting(summary)
     assert summary["foreign"] == 20 and summary["dead_lettered"] >= 20
     outputs = [status_json, status_text, log.read_text()] + [

@@ -47,6 +47,21 @@ def test_listens_on_the_host_it_is_given_and_only_there(tmp_path):
             anonymous.close()
 
 
+def test_a_stopped_server_is_alive_but_does_not_answer(tmp_path):
+    """What the launcher tells apart (launch/stream.py): SIGSTOPped, the process still runs but
+    no PING is answered; continued, it answers again."""
+    import signal
+
+    with EmbeddedRedis(tmp_path / "r") as server:
+        assert server.answers(1.0)
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            assert server.running and not server.answers(0.5)
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        assert server.answers(5.0)
+
+
 def test_relative_data_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with EmbeddedRedis("runs/job/redis") as server:  # as the launcher passes OUT/redis

@@ -1,6 +1,8 @@
 """The launcher's side of the experience stream: its counters read for the staleness gate
 (groups gone untrained give their gate slots back; a (re)started learner rebases the gate on
-what the stream holds), and the job's own redis-server, restarted when it dies."""
+what the stream holds), and the job's own redis-server, restarted when it dies or stops
+answering (alive but not replying to PING for HUNG_S: SIGSTOPped, wedged), which is killed
+first."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from buffer.redis_server import EmbeddedRedis
 from buffer.redis_stream import RedisExperienceQueue
 
 T = TypeVar("T")
+HUNG_S = 10.0  # an embedded redis-server that answers no PING for this long is killed and restarted
 
 
 class JobStream:
@@ -27,7 +30,8 @@ class JobStream:
         self.cfg, self.url, self.server = cfg, url, server
         # the embedded server is ours to restart (stats): do not wait a minute for it
         self.queue = RedisExperienceQueue.from_config(cfg.queue, url, consumer="driver",
-                                                      retries=35 if server is None else 3)
+                                                      retries=35 if server is None else 3,
+                                                      socket_timeout=None if server is None else HUNG_S)
         self.forgotten = 0  # groups gone untrained whose gate slots were already returned
         self.left_in_queue = 0  # as of the last read
         self.last_stats: QueueStats | None = None  # newly_gone's
@@ -69,29 +73,42 @@ class JobStream:
         return self._read(lambda: self.queue.accounting(self.last_stats))
 
     def _read(self, read: Callable[[], T]) -> T:
-        """A read of the stream; the job's own redis-server, found dead before or during the
-        call, is restarted first (our client gives up on it at once, the others ride it out)."""
-        if self.server is not None and not self.server.running:
-            self._restart_server()
+        """A read of the stream; the job's own redis-server, found dead or not answering before
+        or during the call, is restarted first (our client gives up on it at once, the others
+        ride it out: killing a stopped server resets their connections)."""
+        if (why := self._server_trouble()) is not None:
+            self._restart_server(why)
         try:
             return read()
-        except redis.ConnectionError:
-            if self.server is None or self.server.running:
+        except (redis.ConnectionError, redis.TimeoutError):
+            if (why := self._server_trouble()) is None:
                 raise
-            self._restart_server()
+            self._restart_server(why)
             return read()
 
-    def _restart_server(self) -> None:
+    def _server_trouble(self) -> str | None:
+        """Why the job's own redis-server needs a restart ("died", "stopped answering"), or None."""
+        if self.server is None:
+            return None
+        if not self.server.running:
+            return "died"
+        if not self.server.answers(HUNG_S):
+            self.server.kill()
+            return f"stopped answering (no reply to PING in {HUNG_S:.0f} s; killed it)"
+        return None
+
+    def _restart_server(self, why: str) -> None:
         """The embedded redis-server died: start it again on its port and data directory. The
         queue's clients retry meanwhile. With queue.durable its append-only file brings the
         stream back, pending entries and counters included; without it they are gone, and the
-        job ends saying so (after the restart, so that the learner can still checkpoint)."""
+        job ends saying so (after the restart, so that the learner can still checkpoint).
+        `why`: what happened to it, for the message."""
         self.restarts += 1
         self.server.start()
         if not self.cfg.queue.durable:
             raise RuntimeError(
-                f"redis-server died and queue.durable is false: the experience stream, its "
+                f"redis-server {why} and queue.durable is false: the experience stream, its "
                 f"counters and dead letters are gone ({self.left_in_queue} groups were in it at the "
                 "last step); set queue.durable=true to ride out a Redis restart")
-        print(f"redis-server died; restarted it on port {self.server.port} from its append-only "
+        print(f"redis-server {why}; restarted it on port {self.server.port} from its append-only "
               f"file (restart {self.restarts})", file=sys.stderr)
