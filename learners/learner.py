@@ -398,8 +398,10 @@ class Learner:
         bw_max = torch.zeros(1, device=be.device)
         for m in range(cfg.minibatches):
             mb_rows = slice(m * per_mb, (m + 1) * per_mb)
-            # at least 1: learner.overlong=mask may have masked every row
-            counts = (dict(num_tokens=max(float(batch.mask[mb_rows].sum()), 1.0), num_seqs=float(per_mb))
+            # rows with a token to train (learner.overlong=mask may mask whole rows, as verl counts
+            # them), and at least 1: it may have masked every row
+            live = batch.mask[mb_rows]
+            counts = (dict(num_tokens=max(float(live.sum()), 1.0), num_seqs=max(float(live.any(1).sum()), 1.0))
                       if self.objective is None else self.objective.counts(batch, roles, mb_rows))
             local_m = local.rows(torch.arange(m * n_local, (m + 1) * n_local))
             why_skip = ""  # set on every rank once any rank's loss in this optimizer step is not finite

@@ -12,7 +12,9 @@ from helpers import VOCAB
 from async_rlhf.config import LearnerConfig
 from async_rlhf.synthetic import random_groups
 from async_rlhf.types import Group, Received
+from learners.advantages import grpo_advantages
 from learners.batch import Batch
+from learners.losses import policy_loss
 from learners.shaping import RunningMoments, Shaping, soft_overlong_penalty
 
 
@@ -70,3 +72,25 @@ def test_the_learner_trains_nothing_on_cut_responses_with_overlong_mask(make_lea
     learner.step()
     changed = any(not torch.equal(a, p) for a, p in zip(before, learner.backend.model.parameters()))
     assert changed == (overlong == "none")
+
+
+def test_a_sequence_mean_over_cut_responses_counts_only_the_rows_it_trains(make_learner):
+    """overlong=mask with seq_mean_token_mean: the rows masked whole are out of the mean's
+    count too (as verl counts), so the gradient is that of the trained rows' mean, not half of
+    it; their rewards still set their groups' baselines."""
+    groups = [Group(tuple(dataclasses.replace(t, finished=i >= 2) for i, t in enumerate(g.members)))
+              for g in random_groups(2, vocab=VOCAB, seed=9)]
+    learner, _, _ = make_learner(groups, mixed_precision="fp32", overlong="mask",
+                                 loss_agg="seq_mean_token_mean", micro_batch=8)
+    be, summed = learner.backend, []
+    batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(groups)])
+    mask = batch.mask * batch.finished[:, None]
+    logp = be.logprobs(batch.input_ids, batch.attention_mask, batch.positions)[0]
+    adv = grpo_advantages(batch.rewards, batch.groups)[:, None] * mask
+    loss = policy_loss(logp, logp.detach(), batch.behavior_logp, adv, mask, agg="seq_mean_token_mean",
+                       num_tokens=float(mask.sum()), num_seqs=4.0)[0]
+    want = torch.autograd.grad(loss, list(be.model.parameters()))
+    be.step = lambda critic=False: summed.append([p.grad.clone() for p in be.model.parameters()]) or 1.0
+    learner.step()
+    for got, ref in zip(summed[-1], want):
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-7), float((got - ref).abs().max())
