@@ -383,19 +383,31 @@ class StagedReceiver:
         # by version (the caller's `keep` lets go of those from before a learner restart)
         self._staged: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self._lock = threading.Lock()  # receive and load may run in two threads
+        self._joined = threading.Condition()  # a join and a receive may run in two threads too
 
     def join(self, address: SyncAddress, rank: int, host: str = LOOPBACK) -> None:
-        old, self._receiver = self._receiver, None
+        with self._joined:
+            old, self._receiver = self._receiver, None
         if old is not None:
             old.close()
-        self._receiver = WeightReceiver(address, rank, host)
+        receiver = WeightReceiver(address, rank, host)
+        with self._joined:
+            self._receiver = receiver
+            self._joined.notify_all()
 
-    def receive(self, meta: UpdateMeta, load: bool, keep: Iterable[int] = ()) -> int:
+    def receive(self, meta: UpdateMeta, load: bool, keep: Iterable[int] = (), wait_s: float = 60.0) -> int:
         """Take one update (the learner is broadcasting it now) and load it, or stage it, letting
-        go of the staged versions not in `keep`; returns its bytes."""
-        if self._receiver is None:
-            raise RuntimeError(f"weight update {meta.version} arrived before this member joined an epoch")
-        update = self._receiver.receive(meta)
+        go of the staged versions not in `keep`; returns its bytes. The learner sends an epoch's
+        first update once the group has formed, which may be before this member's join returns
+        (they are calls in two threads): it waits up to `wait_s` for its join to that epoch."""
+        with self._joined:
+            joined = self._joined.wait_for(lambda: self._receiver is not None
+                                           and self._receiver.address.epoch >= meta.epoch, wait_s)
+            receiver = self._receiver
+        if not joined:
+            raise RuntimeError(f"weight update {meta.version} of epoch {meta.epoch} arrived, and this member "
+                               f"had not joined that epoch within {wait_s:.0f} s")
+        update = receiver.receive(meta)
         if load:
             self._load_fn(update.named_tensors, update.version)
             return update.nbytes

@@ -129,6 +129,15 @@ class EmbeddedRedis:
         finally:
             client.close()
 
+    def exits_within(self, timeout_s: float) -> bool:
+        """Whether the process has ended, or ends within `timeout_s` (one that was killed may
+        still be running for a moment)."""
+        try:
+            self.process.wait(timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
     def _write_config(self) -> Path:
         lines = [
             f"bind {self.host}",

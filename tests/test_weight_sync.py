@@ -232,3 +232,36 @@ def test_only_the_epochs_members_join_and_each_binds_its_own_address(members):
     assert members.get(1) == [("a", 1, 1, _summary(_weights(1)))]
     assert sender.failures == 0
     sender.close()
+
+
+def test_an_update_that_overtakes_its_members_join_waits_for_it(monkeypatch):
+    """The learner sends an epoch's first update once the group has formed, while the member's
+    join call (another thread) may not have returned: the receive waits for that join instead
+    of failing the broadcast (which then timed out, starving the job). The group itself is
+    stood in for here; the real one is tested above."""
+    import threading
+    import time
+
+    from async_rlhf import weight_sync
+    from async_rlhf.weight_sync import StagedReceiver, SyncAddress, WeightUpdate
+
+    class Forming:  # a WeightReceiver whose group takes 0.3 s to form
+        def __init__(self, address, rank, host):
+            time.sleep(0.3)
+            self.address = address
+
+        def receive(self, meta):
+            return WeightUpdate(meta.version, [], 0.0, 0)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(weight_sync, "WeightReceiver", Forming)
+    loaded, staged = [], StagedReceiver(lambda tensors, version: loaded.append(version))
+    address = SyncAddress("127.0.0.1", 1, epoch=4, world_size=2, backend="gloo", key="k")
+    joining = threading.Thread(target=staged.join, args=(address, 1))
+    joining.start()
+    assert staged.receive(UpdateMeta(4, 6, []), load=True) == 0 and loaded == [6]
+    joining.join()
+    with pytest.raises(RuntimeError, match="had not joined that epoch within 0 s"):
+        staged.receive(UpdateMeta(5, 7, []), load=True, wait_s=0.1)

@@ -104,9 +104,16 @@ class WeightReloadExtension:
     """Mixed into vLLM's worker class (worker_extension_cls); runs inside each worker, where the
     model is: each worker is a weight-sync member of rank (the engine's first rank + its own)."""
 
+    _receiver_made = threading.Lock()
+
+    @property
+    def weight_sync_receiver(self) -> StagedReceiver:
+        with self._receiver_made:  # made once, by a join or a receive that overtook it
+            if "_weight_sync_receiver" not in self.__dict__:
+                self._weight_sync_receiver = StagedReceiver(self.reload_named_weights)
+        return self._weight_sync_receiver
+
     def join_weight_sync(self, address: dict, rank: int, host: str) -> None:
-        if not hasattr(self, "weight_sync_receiver"):
-            self.weight_sync_receiver = StagedReceiver(self.reload_named_weights)
         self.weight_sync_receiver.join(SyncAddress(**address), rank + self.rank, host)  # type: ignore[attr-defined]
 
     def receive_weights(self, meta: dict, load: bool, keep: list[int]) -> int:

@@ -93,6 +93,8 @@ class JobStream:
         if not self.server.running:
             return "died"
         if not self.server.answers(HUNG_S):
+            if self.server.exits_within(2.0):  # refused: it was dying already (a crash, a SIGKILL)
+                return "died"
             self.server.kill()
             return f"stopped answering (no reply to PING in {HUNG_S:.0f} s; killed it)"
         return None
