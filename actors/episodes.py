@@ -53,6 +53,7 @@ from async_rlhf.config import Config
 from async_rlhf.protocols import GenerationEngine
 from async_rlhf.types import Prompt, Sample
 
+from actors.engines import generate_all
 from actors.rewards import load_function
 
 
@@ -147,12 +148,7 @@ class EpisodeEngine:
 
     def generate(self, prompts: Sequence[Prompt], n: int, *, greedy: bool = False) -> list[list[Sample]]:
         """n episodes per prompt, all at once (nothing else may be in flight)."""
-        for i, prompt in enumerate(prompts):
-            self.submit(str(i), prompt, n, greedy=greedy)
-        done: dict[str, list[Sample]] = {}
-        while len(done) < len(prompts):
-            done.update(self.step())
-        return [done[str(i)] for i in range(len(prompts))]
+        return generate_all(self, prompts, n, greedy=greedy)
 
     # -- turns ------------------------------------------------------------------------------
     def _call(self, episode: _Episode, method: str, arg) -> None:

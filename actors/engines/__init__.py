@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from async_rlhf.config import GeneratorConfig
 from async_rlhf.devices import bf16_native
 from async_rlhf.protocols import GenerationEngine
+from async_rlhf.types import Prompt, Sample
 
 
 def vllm_settings(cfg: GeneratorConfig, device: str, model_dtype: str = "float32") -> dict:
@@ -47,3 +49,14 @@ def make_engine(
 
         return HFEngine(model_path, **common)
     raise ValueError(f"generator.engine must be 'vllm' or 'hf', got {cfg.engine!r}")
+
+
+def generate_all(engine, prompts: Sequence[Prompt], n: int, *, greedy: bool = False) -> list[list[Sample]]:
+    """n samples (or episodes) of each prompt through `engine`'s submit and step, all at once:
+    one list per prompt, in order (nothing else may be in flight)."""
+    for i, prompt in enumerate(prompts):
+        engine.submit(str(i), prompt, n, greedy=greedy)
+    done: dict[str, list[Sample]] = {}
+    while len(done) < len(prompts):
+        done.update(engine.step())
+    return [done[str(i)] for i in range(len(prompts))]

@@ -264,12 +264,9 @@ class VLLMEngine:
         if busy:
             raise RuntimeError(f"generate() needs an idle engine, {busy} requests are in flight: "
                                "step() them to the end or abort() them first")
-        for i, prompt in enumerate(prompts):
-            self.submit(str(i), prompt, n, greedy=greedy)
-        done: dict[str, list[Sample]] = {}
-        while len(done) < len(prompts):
-            done.update(self.step())
-        return [done[str(i)] for i in range(len(prompts))]
+        from actors.engines import generate_all
+
+        return generate_all(self, prompts, n, greedy=greedy)
 
     def _sample(self, completion) -> Sample:
         ids = np.asarray(completion.token_ids, dtype=np.int32)
