@@ -1,17 +1,21 @@
 """Helpers shared by test modules (tests/ is on sys.path under pytest): the one trajectory and
 group factory of the codec, queue and replay tests, a buggy producer's re-encoding, the
-admission gate and a hanging reward of the generator tests, and what the learner tests of both
-backends share."""
+admission gate and a hanging reward of the generator tests, what the learner tests of both
+backends share, and a TCP proxy to Redis that loses replies."""
 
 import collections
+import hashlib
 import math
+import socket
 import threading
+from urllib.parse import urlsplit, urlunsplit
 
 import msgpack
 import numpy as np
 
 from async_rlhf.synthetic import random_groups
 from async_rlhf.types import Group, Received, Trajectory
+from buffer import redis_scripts
 from buffer.codec import encode
 
 VOCAB = 256  # the learner tests' tiny model (conftest.py tiny_learner_model)
@@ -115,3 +119,63 @@ def check_nonfinite_step_is_skipped(learner, queue, publisher, caplog) -> None:
     after = publisher.weights
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert all(bool(torch.isfinite(w).all()) for w in after.values())
+
+
+class ReplyLosingProxy:
+    """A TCP proxy in front of a redis-server that, for every `every`-th put (a call of the put
+    script, `redis_scripts.PUT`), forwards the command, lets the server run it, then drops the
+    connection instead of passing the reply on: the client cannot tell whether its put ran, and
+    retries it. `seen` counts puts (retries included), `lost` the replies dropped."""
+
+    def __init__(self, upstream_url: str, every: int = 3):
+        parts = urlsplit(upstream_url)
+        self.upstream, self.every = (parts.hostname, parts.port), every
+        self.marker = hashlib.sha1(redis_scripts.PUT.encode()).hexdigest().encode()  # its EVALSHA
+        self._parts = parts
+        self.seen = self.lost = 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True, name="proxy").start()
+
+    @property
+    def url(self) -> str:
+        """The upstream's url (its password included), through the proxy."""
+        auth = self._parts.netloc.rpartition("@")[0]
+        return urlunsplit(self._parts._replace(netloc=f"{auth + '@' if auth else ''}127.0.0.1:{self.port}"))
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.create_connection(self.upstream)
+            drop = threading.Event()  # set: the reply now on its way is to be lost
+            threading.Thread(target=self._pump, args=(client, server, drop, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, drop, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, drop: threading.Event, requests: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if requests and self.marker in data:
+                    with self._lock:
+                        self.seen += 1
+                        if self.seen % self.every == 0:
+                            drop.set()
+                elif not requests and drop.is_set():  # the server ran it: lose its reply
+                    with self._lock:
+                        self.lost += 1
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):  # shutdown wakes the other direction's recv
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def close(self) -> None:
+        self._listener.close()

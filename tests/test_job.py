@@ -24,6 +24,9 @@ from urllib.parse import urlparse
 import pytest
 import redis
 
+from buffer.redis_server import EmbeddedRedis
+from helpers import ReplyLosingProxy
+
 pytestmark = pytest.mark.slow
 
 # A tiny job: groups of 2 samples, up to 8 sequences in the engine, 8 trajectories per learner step.
@@ -110,11 +113,20 @@ def _check_accounting(summary: dict) -> None:
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_pipeline_respects_the_staleness_bound(tmp_path, tiny_actor_model, k):
     """With in-flight weight updates (the default), on responses of 1 to 64 tokens: no sample
-    trained staler than k, measured by its oldest token, and none dropped for it."""
+    trained staler than k, measured by its oldest token, and none dropped for it. At k = 1 the
+    job's Redis sits behind a TCP proxy that loses the reply to every third put after the server
+    ran it: the generator's retries add no group twice, and none goes stale for them."""
     name = f"k{k}"
-    proc = _train(tmp_path, tiny_actor_model, name, f"max_staleness={k}", "learner.steps=4",
-                  "data.task=length", "generator.max_new_tokens=64")
-    metrics, summary = _finish(tmp_path, name, proc)
+    with contextlib.ExitStack() as stack:
+        through_proxy = []
+        if k == 1:
+            server = stack.enter_context(EmbeddedRedis(tmp_path / "redis"))
+            proxy = ReplyLosingProxy(server.url, every=3)
+            stack.callback(proxy.close)
+            through_proxy = [f"queue.redis_url={proxy.url}"]
+        proc = _train(tmp_path, tiny_actor_model, name, f"max_staleness={k}", "learner.steps=4",
+                      "data.task=length", "generator.max_new_tokens=64", *through_proxy)
+        metrics, summary = _finish(tmp_path, name, proc)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
         assert m["staleness_max"] <= k and 0 <= m["staleness_token_mean"] <= k
@@ -126,6 +138,9 @@ def test_pipeline_respects_the_staleness_bound(tmp_path, tiny_actor_model, k):
     assert summary["dropped_stale"] == 0
     (gen,) = summary["generators"]
     assert gen["update_mode"] == "inflight" and gen["weight_updates"] >= 1
+    assert summary["produced"] == gen["groups"] and summary["counters"].get("duplicate", 0) == 0
+    if k == 1:
+        assert proxy.lost >= 2, proxy.lost  # puts were retried
     print(f"k={k}: {gen['inflight_updates']} of {gen['weight_updates']} updates in flight")
 
 

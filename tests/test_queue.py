@@ -21,7 +21,7 @@ from buffer.codec import decode, encode
 from buffer import redis_stream
 from buffer.redis_server import EmbeddedRedis
 from buffer.redis_stream import FIELD, QueueFull, RedisExperienceQueue
-from helpers import make_group, reencoded
+from helpers import ReplyLosingProxy, make_group, reencoded
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -119,39 +119,24 @@ def test_entries_written_by_a_foreign_client_are_counted_and_accounted(make_queu
     assert summary.counters["dead_lettered_foreign"] == 3 and not_trained(summary.counters) == 0
 
 
-def test_a_put_whose_reply_is_lost_is_retried_without_a_duplicate(redis_server, stream_name, monkeypatch):
-    """The server applies a put, and the connection drops before its reply arrives: the
-    client's retry (queue clients retry for about a minute) must not append the groups again,
-    and a restarted producer of that name numbers its puts on from there."""
-    from redis.connection import Connection
-
-    send, read, lost = Connection.send_packed_command, Connection.read_response, []
-
-    def send_packed_command(self, command, *args, **kwargs):
-        packed = b"".join(command) if isinstance(command, list) else command
-        self.drop_reply = not lost and (b"XADD" in packed or b"EVALSHA" in packed)  # a put
-        return send(self, command, *args, **kwargs)
-
-    def read_response(self, *args, **kwargs):
-        reply = read(self, *args, **kwargs)
-        if getattr(self, "drop_reply", False):  # the server has applied the put
-            self.drop_reply = False
-            lost.append(reply)
-            raise redis.ConnectionError("connection dropped before the reply (test)")
-        return reply
-
-    monkeypatch.setattr(Connection, "send_packed_command", send_packed_command)
-    monkeypatch.setattr(Connection, "read_response", read_response)
+def test_a_put_whose_reply_is_lost_is_retried_without_a_duplicate(redis_server, stream_name):
+    """Through a TCP proxy that drops the connection after the server has run a put and before
+    its reply arrives (every second call: so every put after the first loses its reply once, and
+    its retry goes through): the client's retry (queue clients retry for about a
+    minute) appends nothing twice, and a restarted producer of that name numbers on from there."""
+    proxy = ReplyLosingProxy(redis_server.url, every=2)
     cfg = QueueConfig(stream=stream_name)
-    queue = RedisExperienceQueue.from_config(cfg, redis_server.url, consumer="gen-0")
-    queue.put([make_group(0), make_group(1)], prompt_position=2)
-    assert lost  # the first attempt went through, and its reply was lost
-    assert len(stream_ids(queue._r, stream_name)) == 2 and queue.stats().counters["produced"] == 2
-    restarted = RedisExperienceQueue.from_config(cfg, redis_server.url, consumer="gen-0")
-    restarted.put([make_group(2)], prompt_position=3)
-    assert len(stream_ids(queue._r, stream_name)) == 3 and restarted.prompt_positions() == {"gen-0": 3}
+    queue = RedisExperienceQueue.from_config(cfg, proxy.url, consumer="gen-0")
+    for g in range(6):
+        queue.put([make_group(2 * g), make_group(2 * g + 1)], prompt_position=2 * g + 2)
+    assert len(stream_ids(queue._r, stream_name)) == 12 and queue.stats().counters["produced"] == 12
+    restarted = RedisExperienceQueue.from_config(cfg, proxy.url, consumer="gen-0")
+    restarted.put([make_group(12)], prompt_position=13)
+    assert len(stream_ids(queue._r, stream_name)) == 13 and restarted.prompt_positions() == {"gen-0": 13}
+    assert proxy.lost >= 6  # of 7 puts
     queue.close()
     restarted.close()
+    proxy.close()
 
 
 def test_a_restarted_consumer_takes_back_what_its_predecessor_held_at_once(make_queue):
