@@ -299,6 +299,9 @@ class LearnerConfig(_Section):
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     wait_s: float = 60.0  # a step fails if the stream delivers nothing usable for this long
     max_restarts: int = 3  # a dead learner rank restarts (all ranks, from the newest checkpoint)
+    # a step that runs longer (its wait for data included) is taken for a hung rank, e.g. one stuck
+    # in a collective with a rank that stopped: every rank restarts, as for a dead one
+    step_timeout_s: float = 1800.0
     # The objective trained on each batch of groups: ppo (the policy-gradient losses that
     # clip_eps, correction, advantage... configure); dpo (each group's highest-reward response
     # chosen, its lowest rejected, against a frozen copy of the initial policy); rs (rejection
@@ -334,6 +337,8 @@ class LearnerConfig(_Section):
                    f"0 with learner.algorithm={self.algorithm} (dpo has its KL strength in "
                    "learner.dpo_beta, rs no KL term)")
         self._positive("max_reuse", "minibatches", "critic_lr", "wait_s")
+        _check(self.step_timeout_s > self.wait_s, "learner.step_timeout_s", self.step_timeout_s,
+               f"above learner.wait_s={self.wait_s:g} (a step's wait for data counts towards it)")
         _check(self.max_restarts >= 0, "learner.max_restarts", self.max_restarts, ">= 0")
         _check(self.reward_clip >= 0, "learner.reward_clip", self.reward_clip, ">= 0 (0: no clipping)")
         _check(self.overlong_penalty >= 0, "learner.overlong_penalty", self.overlong_penalty, ">= 0")

@@ -309,6 +309,8 @@ class JobSummary:
     wall_s: float
     redis_restarts: int
     generator_stalls: int  # generators killed for making no progress (generator.stall_s)
+    learner_restarts: int  # the learner ranks restarted together (learner.max_restarts)
+    learner_hangs: int  # of them, steps past learner.step_timeout_s
     startup: Mapping[str, float]  # phase -> seconds since the command started
     placement: str
     error: str = ""
@@ -318,6 +320,7 @@ class JobSummary:
         out = {**(self.accounting.to_json() if self.accounting else {}),
                "generators": [g.to_json() for g in self.generators], "wall_s": self.wall_s,
                "redis_restarts": self.redis_restarts, "generator_stalls": self.generator_stalls,
+               "learner_restarts": self.learner_restarts, "learner_hangs": self.learner_hangs,
                "startup": dict(self.startup), "placement": self.placement}
         if self.error:
             out["error"] = self.error
@@ -330,7 +333,9 @@ class JobSummary:
         return cls(accounting=Accounting.from_json(d) if "produced" in d else None,
                    generators=tuple(GeneratorStats.from_json(g) for g in d["generators"]),
                    wall_s=d["wall_s"], redis_restarts=d["redis_restarts"],
-                   generator_stalls=d.get("generator_stalls", 0), startup=d["startup"],
+                   generator_stalls=d.get("generator_stalls", 0),
+                   learner_restarts=d.get("learner_restarts", 0), learner_hangs=d.get("learner_hangs", 0),
+                   startup=d["startup"],
                    placement=d["placement"], error=d.get("error", ""), shutdown_s=d.get("shutdown_s"))
 
     def line(self) -> str:
@@ -354,6 +359,7 @@ class LearnerStatus:
     of_steps: int  # learner.steps
     pid: int
     restarts: int
+    hangs: int = 0  # of the restarts, steps past learner.step_timeout_s
 
 
 @dataclass(frozen=True)
@@ -421,7 +427,8 @@ class JobStatus:
         snap, q = self.coordinator.job, self.queue
         learner = snap.learner
         out = [f"job {self.job}: learner step {learner.step} policy_version {learner.policy_version}  "
-               f"restarts: learner {learner.restarts}, generators {snap.generator_restarts}; "
+               f"restarts: learner {learner.restarts} ({learner.hangs} hung), generators "
+               f"{snap.generator_restarts}; "
                f"stalled generators {snap.generator_stalls}"]
         out += [f"  {g.generator_id:>8}  node {g.node}  pid {g.pid}  policy_version {g.policy_version}  "
                 f"produced {g.produced}{'  ERROR' if g.error else ''}" for g in snap.generators]

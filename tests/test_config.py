@@ -65,6 +65,8 @@ def test_rewards_list(tmp_path):
         ("generator.engine=sglang", "generator.engine must be one of 'vllm', 'hf', got 'sglang'"),
         ("learner.lr=fast", "learner.lr must be a number, got 'fast'"),
         ("learner.steps=2.5", "learner.steps must be an integer, got 2.5"),
+        ("learner.step_timeout_s=30", "learner.step_timeout_s must be above learner.wait_s=60 (a step's wait "
+                                      "for data counts towards it), got 30"),
         ("generator.top_p=0.9", "generator.top_p must be 1.0 for training"),
         ("learner.micro_batch=5", "learner.batch_size must be divisible by learner.micro_batch (5)"),
         ("learner.lerning_rate=1", "unknown config key learner.'lerning_rate'"),

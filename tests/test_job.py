@@ -275,22 +275,41 @@ def test_killed_learner_restarts_from_its_checkpoint_and_the_job_finishes(tmp_pa
     assert 0 <= summary["trained"] - recorded <= 8 // 2
 
 
-def test_a_killed_learner_rank_other_than_0_restarts_every_rank(tmp_path, tiny_actor_model):
-    """Two DeepSpeed ZeRO-2 ranks; rank 1 SIGKILLed mid-run. Rank 0's collective with it fails
-    first (a task error, not an actor's death), yet the ranks restart together from the newest
-    checkpoint and the job trains every step, losing no group."""
-    name = "rank1"
-    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=20", "max_staleness=1",
-                  "learner.checkpoint_every=5", "learner.ranks=2", "learner.zero_stage=2")
-    with _interrupted_on_failure(proc):
-        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 7, 600, "a checkpoint at step 5")
-        rank0 = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))["learner"]["pid"]
+def test_a_learner_rank_that_dies_or_hangs_restarts_every_rank(tmp_path, tiny_actor_model):
+    """Two DeepSpeed ZeRO-2 ranks, three faults in one job, each healed by restarting both ranks
+    from the newest checkpoint: rank 1 SIGKILLed (rank 0's collective with it fails first, as a
+    task error, not an actor's death); the new rank 1 SIGSTOPped (rank 0 hangs in a collective
+    with it until the step passes learner.step_timeout_s); then rank 0 SIGKILLed. The job trains
+    every step and loses no group."""
+    name = "ranks"
+    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=25", "max_staleness=1",
+                  "learner.checkpoint_every=5", "learner.ranks=2", "learner.zero_stage=2",
+                  "learner.wait_s=30", "learner.step_timeout_s=40")
+
+    def ranks_after(restarts: int, steps: int) -> tuple[int, int]:
+        """(rank 0's pid, rank 1's) once `restarts` restarts are done and `steps` steps recorded."""
+        def status():
+            if _steps_done(tmp_path, name) < steps:
+                return None
+            learner = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))["learner"]
+            return learner if learner["restarts"] == restarts else None
+
+        rank0 = _wait_for(proc, status, 600, f"restart {restarts} and step {steps}")["pid"]
         (rank1,) = [pid for pid in _learner_ranks(proc.pid) if pid != rank0]
-        os.kill(rank1, signal.SIGKILL)
+        return rank0, rank1
+
+    with _interrupted_on_failure(proc):
+        os.kill(ranks_after(0, 7)[1], signal.SIGKILL)  # after the checkpoint at step 5
+        stopped = ranks_after(1, 12)[1]
+        os.kill(stopped, signal.SIGSTOP)
+        os.kill(ranks_after(2, 17)[0], signal.SIGKILL)
         metrics, summary = _finish(tmp_path, name, proc)
     log = proc.log_path.read_text()
-    assert "restart 1 of learner.max_restarts=3" in log and "learner restarted at version" in log
-    assert [m["step"] for m in metrics][-1] == 20 and summary["lost"] == 0
+    assert "restart 3 of learner.max_restarts=3" in log, log[-3000:]
+    assert "the step ran past learner.step_timeout_s=40 on ranks" in log
+    assert (summary["learner_restarts"], summary["learner_hangs"]) == (3, 1)
+    assert not Path(f"/proc/{stopped}").exists() or b"Z" in Path(f"/proc/{stopped}/stat").read_bytes()[:60]
+    assert [m["step"] for m in metrics][-1] == 25 and summary["lost"] == 0
     _check_accounting(summary)
     assert summary["counters"].get("ack_lost", 0) == 0
 

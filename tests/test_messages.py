@@ -49,7 +49,7 @@ def _summary() -> JobSummary:
                                     "reclaimed": 2, "set_aside": 1, "set_aside:reward_nan": 1,
                                     "copied": 1, "dropped_uniform": 3}, left_in_queue=1, foreign_backlog=0)
     return JobSummary(acc, (_gen(),), wall_s=30.0, redis_restarts=0, generator_stalls=1,
-                      startup={"first_step": 9.5}, placement="manual", shutdown_s=2.0)
+                      learner_restarts=2, learner_hangs=1, startup={"first_step": 9.5}, placement="manual", shutdown_s=2.0)
 
 
 def test_step_metrics_go_to_a_flat_row_and_back():
@@ -78,10 +78,11 @@ def test_summary_goes_to_json_and_back():
     s = _summary()
     d = json.loads(json.dumps(s.to_json()))
     assert d["unit"] == "groups" and d["lost"] == 0 and d["generators"][0]["produced"] == 24
-    assert d["generator_stalls"] == 1
+    assert (d["generator_stalls"], d["learner_restarts"], d["learner_hangs"]) == (1, 2, 1)
     assert "error" not in d and d["shutdown_s"] == 2.0
     assert JobSummary.from_json(d) == s
-    failed = JobSummary(None, (), wall_s=1.0, redis_restarts=0, generator_stalls=0, startup={},
+    failed = JobSummary(None, (), wall_s=1.0, redis_restarts=0, generator_stalls=0, learner_restarts=0,
+                        learner_hangs=0, startup={},
                         placement="manual", error="boom\nmore")
     assert JobSummary.from_json(json.loads(json.dumps(failed.to_json()))) == failed
     assert failed.line() == "summary: ; error: boom"
@@ -133,7 +134,7 @@ def test_a_job_record_reaches_metrics_jsonl_tensorboard_the_console_and_the_benc
 
 def test_status_reads_the_published_snapshot():
     snap = JobSnapshot(job="j", out="/o", learner=LearnerStatus(step=3, policy_version=3, reward_mean=0.5,
-                                                                of_steps=10, pid=7, restarts=1),
+                                                                of_steps=10, pid=7, restarts=1, hangs=1),
                        generators=(_gen(error="Traceback..."),), generator_restarts=2, generator_stalls=1)
     acc = _summary().accounting
     published = JobStatus("j", CoordinatorSnapshot(snap, 16, 8, {3: "requested"}), "redis://:***@h:1",
@@ -141,13 +142,13 @@ def test_status_reads_the_published_snapshot():
     status = JobStatus.from_json(json.loads(json.dumps(dataclasses.asdict(published))))  # the file, read back
     assert status == published
     assert status.lines(now=1001.0) == [
-        "job j: learner step 3 policy_version 3  restarts: learner 1, generators 2; stalled generators 1",
+        "job j: learner step 3 policy_version 3  restarts: learner 1 (1 hung), generators 2; stalled generators 1",
         "     gen-0  node host  pid 123  policy_version 3  produced 24  ERROR",
         "  generator request 3: requested",
         "queue redis://:***@h:1 stream experience: backlog+pending 1, produced 10, trained 8, dead letters 0"]
     assert status.lines(now=1030.0)[-1].startswith("(as of 30 s ago: the launcher has published nothing since")
     d = json.loads(json.dumps(status.to_json()))
-    assert d["generator_stalls"] == 1 and d["learner"]["pid"] == 7 and d["generators"][0]["pid"] == 123 and d["gate"] == {"accepted": 16, "running": 8}
+    assert d["generator_stalls"] == 1 and d["learner"]["hangs"] == 1 and d["learner"]["pid"] == 7 and d["generators"][0]["pid"] == 123 and d["gate"] == {"accepted": 16, "running": 8}
     assert d["queue"]["stream"] == "experience" and d["queue"]["lost"] == 0 and d["requests"] == {"3": "requested"}
 
 

@@ -75,6 +75,7 @@ class Job:
         self.stall_watch = StallWatch(cfg.generator.stall_s)
         self.stalls = 0  # generators lost for making no progress (generator.stall_s)
         self.learner_restarts = 0  # learner.max_restarts at most
+        self.learner_hangs = 0  # of them, steps that ran past learner.step_timeout_s
         self.learner_pid = 0
         self.due_restarts: list[tuple[float, str]] = []  # (monotonic time, generator id)
         self.requested: dict[str, tuple[int, dict, float]] = {}  # gid -> (request, need, since)
@@ -248,16 +249,16 @@ class Job:
         return self.ray.get(self.learners[0].get_version.remote())
 
     def _restart_learners(self, why: str) -> int:
-        """A learner rank died: restart every rank from the newest checkpoint (ranks train in
+        """A learner rank died or hung: restart every rank from the newest checkpoint (ranks train in
         lock-step, so they go back together), rebase the gate on what the stream holds as a
         resumed job does, and form a new weight-sync epoch, whose first message brings the
         generators back to that version. Returns the learner's version."""
         ray, budget = self.ray, self.cfg.learner.max_restarts
         if self.learner_restarts >= budget:
-            raise RuntimeError(f"the learner died ({why}) and learner.max_restarts={budget} "
+            raise RuntimeError(f"the learner failed ({why}) and learner.max_restarts={budget} "
                                "restarts are spent")
         self.learner_restarts += 1
-        print(f"learner died ({why}); restarting it from the newest checkpoint (restart "
+        print(f"learner failed ({why}); restarting it from the newest checkpoint (restart "
               f"{self.learner_restarts} of learner.max_restarts={budget})", file=sys.stderr)
         for learner in self.learners:
             ray.kill(learner)
@@ -398,11 +399,17 @@ class Job:
         return 0
 
     def _step(self) -> StepMetrics:
-        """One learner step on every rank, watching the job each second while it runs."""
-        ray = self.ray
+        """One learner step on every rank, watching the job each second while it runs. A step
+        past learner.step_timeout_s has a hung rank: raise _RankDied, which restarts them all."""
+        ray, timeout_s = self.ray, self.cfg.learner.step_timeout_s
         refs = [l.step.remote() for l in self.learners]
+        deadline = time.monotonic() + timeout_s
         while len(ready := ray.wait(refs, num_returns=len(refs), timeout=TICK_S)[0]) < len(refs):
             self._rank_results(ready)  # a rank that failed: raise now, not after the others' timeout
+            if time.monotonic() > deadline:
+                self.learner_hangs += 1
+                hung = [rank for rank, ref in enumerate(refs) if ref not in ready]
+                raise _RankDied(f"the step ran past learner.step_timeout_s={timeout_s:g} on ranks {hung}")
             self._tick()
         if time.monotonic() - self.last_tick >= TICK_S:  # fast steps: still watch each second
             self._tick()
@@ -535,7 +542,7 @@ class Job:
         version = m.version if m else self.start_version
         learner = LearnerStatus(step=version, policy_version=version, reward_mean=m.reward_mean if m else None,
                                 of_steps=self.cfg.learner.steps, pid=self.learner_pid,
-                                restarts=self.learner_restarts)
+                                restarts=self.learner_restarts, hangs=self.learner_hangs)
         return JobSnapshot(job=self.cfg.job, out=str(self.out), learner=learner,
                            generators=tuple(self.gen_stats.values()), generator_restarts=self.restarts,
                            generator_stalls=self.stalls)
@@ -564,7 +571,8 @@ class Job:
             generators=tuple(self.gen_stats.values()),
             wall_s=time.time() - self.start_time,  # since the command, before Ray and Redis stop
             redis_restarts=self.stream.restarts if self.stream is not None else 0,
-            generator_stalls=self.stalls, startup=self.startup,
+            generator_stalls=self.stalls, learner_restarts=self.learner_restarts,
+            learner_hangs=self.learner_hangs, startup=self.startup,
             placement=self.placement_line or "manual", error=self.error)
         self._write_summary()
         if self.metrics is not None:
