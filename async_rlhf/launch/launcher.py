@@ -177,6 +177,10 @@ class Job:
                  else f"this node's address in the Ray cluster at {address}")
         print(f"network: Redis at {host} ({where}); the learner and the weight sync listen on their "
               "own nodes' addresses", flush=True)
+        if server is not None:
+            print("stream: durable (append-only file, fsync every second)" if cfg.queue.durable else
+                  "stream: in memory only (queue.durable=false): a redis-server death ends the job; "
+                  "queue.durable=true survives it for ~15% of the stream's put rate", flush=True)
         stop_on_signals()  # after ray.init, which sets its own
 
     def _launch_head(self) -> None:
