@@ -420,6 +420,7 @@ class Generator:
             weight_wait_s=self._seconds["weight_wait"],
             mean_inflight=self._seconds["sequences"] / gen_s if gen_s else 0.0,
             sequences=len(self._inflight) * self.group_size,  # len(): safe from another thread
+            updates_waiting=self._updates_waiting,
             tokens_per_s=self._counts["tokens"] / gen_s if gen_s else 0.0,
             last_mean_reward=self._last_reward,
             **({"episodes": self.engine.episodes, "turns": self.engine.turns, "env_s": self.engine.env_s}

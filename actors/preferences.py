@@ -162,7 +162,7 @@ class PreferenceProducer:
             generator_id=self.generator_id, policy_version=self.policy_version, schedule="offline",
             update_mode="version_only", prompt_start=self.prompt_start, prompt_position=self._taken,
             produced=self._counts["produced"], groups=self._counts["groups"], tokens=self._counts["tokens"],
-            steps=0, sequences=0, aborted=0, set_aside=dict(self._set_aside),
+            steps=0, sequences=0, updates_waiting=0, aborted=0, set_aside=dict(self._set_aside),
             set_aside_total=sum(self._set_aside.values()),
             dropped_uniform=0,
             dead_letter_errors=0, weight_updates=self._counts["weight_updates"], inflight_updates=0,

@@ -187,6 +187,10 @@ class GeneratorConfig(_Section):
     # vLLM without CUDA graphs or torch.compile. auto: on for CPU (compiling would take minutes),
     # off on GPU (graphs speed up decoding).
     enforce_eager: Literal["auto"] | bool = "auto"
+    # vLLM's engine core in a process of its own on CPU too, as it always is on GPU (weights and
+    # requests then cross that process boundary); off: in the generator's process on CPU, which
+    # starts in ~3 s against ~30 s
+    engine_core_process: bool = False
     max_restarts: int = 10  # a generator that dies is replaced, after 1, 2, 4 ... 30 s, this often
     # Groups a generator scores at once, each in a reward worker process of its own (a call
     # past its reward's deadline has its process killed and replaced), so one slow or hung
@@ -212,6 +216,8 @@ class GeneratorConfig(_Section):
         _check(0 <= self.nice <= 19, "generator.nice", self.nice, "from 0 (normal priority) to 19 (lowest)")
         self._positive("count", "group_size", "max_new_tokens", "threads", "reward_concurrency")
         self._positive("temperature", "tensor_parallel", "stall_s")
+        _check(self.engine == "vllm" or not self.engine_core_process, "generator.engine_core_process",
+               self.engine_core_process, f"false with generator.engine={self.engine} (vLLM's option)")
         if self.gpu_memory_utilization != "auto":
             _check(0 < self.gpu_memory_utilization <= 1, "generator.gpu_memory_utilization",
                    self.gpu_memory_utilization, "auto or a fraction in (0, 1]")

@@ -182,6 +182,7 @@ class GeneratorStats:
     weight_wait_s: float  # waiting for the safe point
     mean_inflight: float
     sequences: int  # in the engine now
+    updates_waiting: int  # weight updates waiting for the engine loop's safe point, or loading, now
     tokens_per_s: float
     last_mean_reward: float
     node: str = ""

@@ -191,13 +191,40 @@ def test_a_generator_whose_engine_hangs_reports_frozen_steps_with_sequences(tiny
         while engine.calls < 3:
             time.sleep(0.01)
         watch, first = StallWatch(stall_s=60), gen.stats()
-        assert first.steps == 2 and first.sequences > 0
-        assert watch.stalled(first.generator_id, first.steps, first.sequences, now=0) == ""
+        assert first.steps == 2 and first.sequences > 0 and first.updates_waiting == 0
+        assert watch.stalled(first.generator_id, first.steps, first.sequences, 0, now=0) == ""
         later = gen.stats()
-        assert watch.stalled(later.generator_id, later.steps, later.sequences, now=61).startswith("stalled")
+        assert watch.stalled(later.generator_id, later.steps, later.sequences, 0, now=61).startswith("stalled")
     finally:
         stop.set()
         engine.release.set()
+        runner.join(30)
+
+
+def test_a_generator_whose_weight_load_hangs_reports_an_update_waiting(tiny_actor_model):
+    """An idle generator (its gate admits nothing) whose weight load never returns: no
+    sequences, but an update waiting, and no progress: the watchdog calls it stalled."""
+    engine = ScriptedEngine([1])
+    gen = _generator(engine, tiny_actor_model, ListQueue(), StalenessGate(max_staleness=0, batch_size=2))
+    stop, hung = threading.Event(), threading.Event()
+    runner = threading.Thread(target=gen.run, args=(stop,))
+    runner.start()
+    loader = threading.Thread(target=gen.apply_weights, args=(hung.wait,))
+    try:
+        while not engine.submitted or gen.stats().sequences:  # its one admitted group done: idle
+            time.sleep(0.01)
+        loader.start()
+        while not gen.stats().updates_waiting:
+            time.sleep(0.01)
+        stats, watch = gen.stats(), StallWatch(stall_s=60)
+        assert stats.sequences == 0 and stats.updates_waiting == 1
+        progress = stats.steps + stats.weight_updates
+        assert watch.stalled(stats.generator_id, progress, 0, stats.updates_waiting, now=0) == ""
+        assert watch.stalled(stats.generator_id, progress, 0, stats.updates_waiting, now=61).startswith("stalled")
+    finally:
+        hung.set()
+        stop.set()
+        loader.join(30)
         runner.join(30)
 
 

@@ -298,7 +298,7 @@ def test_a_learner_rank_that_dies_or_hangs_restarts_every_rank(tmp_path, tiny_ac
             return learner if learner["restarts"] == restarts else None
 
         rank0 = _wait_for(proc, status, 600, f"restart {restarts} and step {steps}")["pid"]
-        (rank1,) = [pid for pid in _learner_ranks(proc.pid) if pid != rank0]
+        (rank1,) = [pid for pid in _processes_below(proc.pid, b"ray::LearnerWorker") if pid != rank0]
         return rank0, rank1
 
     with _interrupted_on_failure(proc):
@@ -317,9 +317,10 @@ def test_a_learner_rank_that_dies_or_hangs_restarts_every_rank(tmp_path, tiny_ac
     assert summary["counters"].get("ack_lost", 0) == 0
 
 
-def _learner_ranks(job_pid: int) -> list[int]:
-    """The learner rank processes of the job whose `train` is job_pid (Ray titles an actor's
-    process ray::<class>; the job's own Ray head runs below its `train`)."""
+def _processes_below(root: int, title: bytes) -> list[int]:
+    """The processes below `root` whose command line starts with `title` (Ray titles an actor's
+    process ray::<class>, vLLM its engine core VLLM::EngineCore; a job's own Ray head runs below
+    its `train`)."""
     parents, titles = {}, {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -329,15 +330,14 @@ def _learner_ranks(job_pid: int) -> list[int]:
             continue
         parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
 
-    def below_job(pid: int) -> bool:
+    def below(pid: int) -> bool:
         while pid > 1:
             pid = parents.get(pid, 0)
-            if pid == job_pid:
+            if pid == root:
                 return True
         return False
 
-    return [pid for pid, title in titles.items()
-            if title.startswith(b"ray::LearnerWorker") and below_job(pid)]
+    return [pid for pid, cmdline in titles.items() if cmdline.startswith(title) and below(pid)]
 
 
 def _redis_server_pid(port: int) -> int:
@@ -415,6 +415,32 @@ def test_generators_and_redis_die_and_the_job_goes_on_losing_nothing(tmp_path, t
     outputs = [status_json, status_text, log.read_text()] + [
         (tmp_path / name / f).read_text() for f in ("summary.json", "metrics.jsonl", "config.yaml")]
     assert password and not any(password in text for text in outputs)
+
+
+def test_a_generator_whose_engine_core_stops_is_replaced_and_the_job_finishes(tmp_path, tiny_actor_model):
+    """vLLM's engine core in a process of its own, as on GPU: every weight update crosses into
+    it. After two steps that process is SIGSTOPped. The generator's actor still answers, but its
+    engine takes no step and loads no weights while it has work: after generator.stall_s the
+    launcher kills it and starts another in its place. The job goes on, loses no group, and
+    leaves no stopped process behind."""
+    name = "stall"
+    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "generator.engine_core_process=true",
+                  "generator.stall_s=15")
+    with _interrupted_on_failure(proc):
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
+        (gen,) = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))["generators"]
+        (core,) = _processes_below(gen["pid"], b"VLLM::EngineCore")
+        os.kill(core, signal.SIGSTOP)
+        _wait_for(proc, lambda: "stalled: no engine step or weight load for" in proc.log_path.read_text(), 120,
+                  "the launcher to find the generator stalled")
+        metrics, summary = _five_more_steps_then_stop(tmp_path, name, proc)
+    log = proc.log_path.read_text()
+    assert "(generator.stall_s=15)" in log
+    assert summary["generator_stalls"] == 1 and summary["generators"][0]["pid"] != gen["pid"]
+    assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1)) and summary["lost"] == 0
+    _check_accounting(summary)
+    assert "Attempted to load weight" not in log  # float32 into the bf16 engine: the cast chosen
+    assert not Path(f"/proc/{core}").exists()
 
 
 def test_a_job_whose_last_generator_dies_ends_at_once(tmp_path, tiny_actor_model):

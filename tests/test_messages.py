@@ -39,7 +39,7 @@ def _gen(**changes) -> GeneratorStats:
         prompt_position=12, produced=24, groups=12, tokens=480, steps=100, aborted=0,
         set_aside={"reward_nan": 1}, set_aside_total=1, dropped_uniform=2, dead_letter_errors=0, weight_updates=3,
         inflight_updates=2, run_s=10.0, generate_s=6.0, score_s=1.0, put_s=0.5, idle_s=3.0,
-        weight_update_s=0.5, weight_wait_s=0.1, mean_inflight=7.5, sequences=8, tokens_per_s=80.0, last_mean_reward=0.5,
+        weight_update_s=0.5, weight_wait_s=0.1, mean_inflight=7.5, sequences=8, updates_waiting=0, tokens_per_s=80.0, last_mean_reward=0.5,
         node="host", pid=123, node_id="abc")
     return dataclasses.replace(s, **changes)
 

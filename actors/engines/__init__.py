@@ -43,6 +43,7 @@ def make_engine(
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         return VLLMEngine(model_path, tensor_parallel=cfg.tensor_parallel,
+                          in_process=False if cfg.engine_core_process else None,
                           **vllm_settings(cfg, device, model_dtype), **{**common, "device": device})
     if cfg.engine == "hf":
         from actors.engines.hf_engine import HFEngine

@@ -73,10 +73,14 @@ _INSTALL_HINT = (
 
 
 # What vLLM logs at every in-place weight reload, by logger: the reload and its time (the
-# generator's weight_update_s has it), the prefix-cache reset, and a warning that RotaryEmbedding
-# loaded no weights (its cos/sin cache is no checkpoint tensor, and it is put back as it was).
-# Once per learner step, those lines bury the job's own.
+# generator's weight_update_s has it), the prefix-cache reset, a warning that RotaryEmbedding
+# loaded no weights (its cos/sin cache is no checkpoint tensor, and it is put back as it was),
+# and one warning per tensor when float32 weights (the learner's, or the checkpoint's at start)
+# load into a bf16 engine, which is the precision generator.dtype chose. Once per learner step,
+# those lines bury the job's own.
 _RELOAD_NOISE = {
+    "vllm.model_executor.models.utils": (
+        _NARROWED := "Attempted to load weight %s with dtype %s into parameter with dtype %s",),
     "vllm.model_executor.model_loader.reload.inplace": (
         "Reloading weights inplace...", "Reloading and processing weights took %.2f seconds"),
     "vllm.model_executor.model_loader.reload.layerwise": (_NO_WEIGHTS := "%s: Failed to load weights",),
@@ -92,6 +96,8 @@ class _ReloadNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg not in self.messages:
             return True
+        if record.msg == _NARROWED:  # float32 into the engine's dtype is the cast chosen; others warn
+            return record.args[1] != torch.float32
         return record.msg == _NO_WEIGHTS and record.args != ("RotaryEmbedding",)  # a real miss
 
 

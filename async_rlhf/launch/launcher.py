@@ -479,7 +479,8 @@ class Job:
             if stats.error:
                 log.error("generator %s failed:\n%s", gid, stats.error)
                 self._lose_generator(gid, stats.error.strip().splitlines()[-1])
-            elif why := self.stall_watch.stalled(gid, stats.steps, stats.sequences, time.monotonic()):
+            elif why := self.stall_watch.stalled(gid, stats.steps + stats.weight_updates, stats.sequences,
+                                                 stats.updates_waiting, time.monotonic()):
                 self.stalls += 1
                 self._lose_generator(gid, why)
         if not self.generators:  # all being replaced: the learner's wait is not theirs to time out
