@@ -87,6 +87,13 @@ def _steps_done(tmp_path: Path, name: str) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def _the_generator_after_two_steps(tmp_path: Path, name: str, proc: subprocess.Popen) -> dict:
+    """The job's only generator, as `status --json` shows it, once two learner steps are done."""
+    _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
+    (gen,) = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))["generators"]
+    return gen
+
+
 def _five_more_steps_then_stop(tmp_path: Path, name: str, proc: subprocess.Popen) -> tuple[list, dict]:
     """The job goes on: five more learner steps, then `stop` and its metrics and summary."""
     after = _steps_done(tmp_path, name)
@@ -427,8 +434,7 @@ def test_a_generator_whose_engine_core_stops_is_replaced_and_the_job_finishes(tm
     proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "generator.engine_core_process=true",
                   "generator.stall_s=15")
     with _interrupted_on_failure(proc):
-        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
-        (gen,) = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))["generators"]
+        gen = _the_generator_after_two_steps(tmp_path, name, proc)
         (core,) = _processes_below(gen["pid"], b"VLLM::EngineCore")
         os.kill(core, signal.SIGSTOP)
         _wait_for(proc, lambda: "stalled: no engine step or weight load for" in proc.log_path.read_text(), 120,
@@ -450,8 +456,7 @@ def test_a_job_whose_last_generator_dies_ends_at_once(tmp_path, tiny_actor_model
     proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "generator.max_restarts=0",
                   "learner.wait_s=600")
     with _interrupted_on_failure(proc):
-        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
-        (gen,) = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))["generators"]
+        gen = _the_generator_after_two_steps(tmp_path, name, proc)
         os.kill(gen["pid"], signal.SIGKILL)
         assert proc.wait(300) == 1  # not learner.wait_s = 600 s later
     summary = json.loads((tmp_path / name / "summary.json").read_text())
