@@ -25,7 +25,8 @@ from torch import nn
 
 from async_rlhf.config import LearnerConfig
 from async_rlhf.procs import RENDEZVOUS_KEY, free_port
-from learners.models import DTYPES, HeldModels, adamw, autocast_dtype, default_device, load_models
+from learners.models import (DTYPES, HeldModels, adamw, autocast_dtype, default_device, load_models,
+                            mark_latest)
 
 
 def _import_deepspeed():
@@ -212,18 +213,26 @@ class DeepSpeedBackend(HeldModels):
 
     # -- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, ckpt_dir: str | os.PathLike, tag: str, client_state: dict) -> None:
-        """DeepSpeed checkpoint (weights, optimizer, ZeRO shards) + client_state. Collective."""
-        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state)
-        if self.critic is not None:
-            self.critic.save_checkpoint(str(Path(ckpt_dir) / "critic"), tag=tag)
+        """DeepSpeed checkpoint (weights, optimizer, ZeRO shards) + client_state, the critic's
+        beside it. Collective. `latest` names the tag only once every rank has written its part:
+        DeepSpeed's own rank 0 writes it without waiting for the others, so a rank that died or
+        hung mid-write would leave a `latest` that cannot load."""
+        if self.critic is not None:  # loaded by the policy's tag: it needs no `latest` of its own
+            self.critic.save_checkpoint(str(Path(ckpt_dir) / "critic"), tag=tag, save_latest=False)
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+        if self.rank == 0:  # DeepSpeed's save ends in a barrier: every rank's files are written
+            mark_latest(ckpt_dir, tag)
+        torch.distributed.barrier()
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike) -> dict | None:
         """Load the latest checkpoint in ckpt_dir; its client_state, or None if there is none."""
-        if not (Path(ckpt_dir) / "latest").is_file():
+        latest = Path(ckpt_dir) / "latest"
+        if not latest.is_file():
             return None
-        path, client_state = self.engine.load_checkpoint(str(ckpt_dir))
+        tag = latest.read_text().strip()
+        path, client_state = self.engine.load_checkpoint(str(ckpt_dir), tag=tag)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {ckpt_dir}")
         if self.critic is not None:
-            self.critic.load_checkpoint(str(Path(ckpt_dir) / "critic"))
+            self.critic.load_checkpoint(str(Path(ckpt_dir) / "critic"), tag=tag)
         return client_state

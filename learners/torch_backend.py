@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from async_rlhf.config import LearnerConfig
-from learners.models import HeldModels, adamw, autocast_dtype, default_device, load_models
+from learners.models import HeldModels, adamw, autocast_dtype, default_device, load_models, mark_latest
 
 _STATE = "state.pt"
 
@@ -95,8 +95,7 @@ class TorchBackend(HeldModels):
             state["critic"] = self.critic.state_dict()
         torch.save(state, path / (_STATE + ".tmp"))
         os.replace(path / (_STATE + ".tmp"), path / _STATE)
-        (path.parent / "latest.tmp").write_text(tag)
-        os.replace(path.parent / "latest.tmp", path.parent / "latest")
+        mark_latest(ckpt_dir, tag)
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike) -> dict | None:
         latest = Path(ckpt_dir) / "latest"

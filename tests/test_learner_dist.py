@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -25,9 +26,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_ranks(spec: dict, ranks: int, timeout: float = 300) -> list[int]:
-    """Start `ranks` worker processes on one gloo group, meeting under a key as the launcher's
-    ranks do; their exit codes."""
+def start_ranks(spec: dict, ranks: int) -> list[subprocess.Popen]:
+    """`ranks` worker processes on one gloo group, meeting under a key as the launcher's ranks do."""
     port, key = free_port(), uuid.uuid4().hex
     procs = []
     for rank in range(ranks):
@@ -36,6 +36,12 @@ def run_ranks(spec: dict, ranks: int, timeout: float = 300) -> list[int]:
                    PYTHONPATH=str(ROOT), ASYNC_RLHF_RENDEZVOUS_KEY=key)
         procs.append(subprocess.Popen([sys.executable, __file__, json.dumps({**spec, "ranks": ranks})],
                                       env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    return procs
+
+
+def run_ranks(spec: dict, ranks: int, timeout: float = 300) -> list[int]:
+    """Run `ranks` worker processes (start_ranks) to their end; their exit codes."""
+    procs = start_ranks(spec, ranks)
     codes = []
     for p in procs:
         try:
@@ -169,6 +175,28 @@ def test_checkpoint_kill_resume_keeps_version_and_counters(tiny_learner_model, r
     assert stats.counters == {"produced": 16, "trained": 10} and stats.backlog == 6
 
 
+def test_a_rank_that_dies_writing_a_checkpoint_leaves_latest_at_the_one_before(tiny_learner_model, redis_server,
+                                                                                stream_name, tmp_path):
+    """ZeRO-2 on two ranks, a checkpoint after each step. Rank 1 dies as it starts writing its
+    optimizer shard of v2, while rank 0 writes all of its part: `latest` must still name v1,
+    the newest checkpoint that every rank finished, or a restart would load a torn one."""
+    ckpt = tmp_path / "ckpt"
+    rank0, rank1 = start_ranks(dict(mode="torn", model=tiny_learner_model, out=str(tmp_path), zero_stage=2,
+                                    ckpt=str(ckpt), redis_url=redis_server.url, stream=stream_name), 2)
+    try:
+        assert rank1.wait(300) == -signal.SIGKILL, rank1.stdout.read().decode()[-4000:]
+        own_part = ckpt / "v2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        deadline = time.monotonic() + 60
+        while not own_part.is_file() and rank0.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert own_part.is_file(), "rank 0 did not write its part of v2"
+        time.sleep(3.0)  # rank 0 is now in the checkpoint's closing barrier, for ever
+        assert (ckpt / "latest").read_text() == "v1"
+    finally:
+        rank0.kill()
+        rank0.wait(60)
+
+
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_ranks_agree_to_skip_a_step_only_one_rank_found_non_finite(tiny_learner_model, redis_server, stream_name,
                                                                    tmp_path, zero_stage):
@@ -240,6 +268,18 @@ def _worker(spec: dict) -> None:
         learner.train(steps=1)
     elif mode == "skip":
         _skip_then_train(learner, groups, out)
+    elif mode == "torn":
+        learner.train(steps=1)
+        if not rank0:  # dies as it starts writing its part of the next checkpoint
+            write = backend.engine.checkpoint_engine.save
+
+            def save(state, path, *args, **kwargs):
+                if f"{os.sep}v2{os.sep}" in str(path):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return write(state, path, *args, **kwargs)
+
+            backend.engine.checkpoint_engine.save = save
+        learner.train(steps=1)
     else:
         assert learner.resume()
         report = {"resumed_version": learner.version, "resumed_counters": dict(learner.counters)}
