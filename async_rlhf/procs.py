@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
@@ -123,3 +124,49 @@ def stop_on_signals() -> None:
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+def threads_of(pid: int | str = "self") -> set[int]:
+    """The thread ids of a process (Linux: /proc/PID/task); empty if it is gone."""
+    try:
+        return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+    except OSError:
+        return set()
+
+
+def proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/PID/stat after its name: state, ppid, pgrp, session, ...) of
+    every process (Linux)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            yield int(entry), stat[stat.rindex(")") + 2:].split()  # the name may hold spaces
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid`: its children, theirs, and so on."""
+    children: dict[int, list[int]] = {}
+    for child, fields in proc_stats():
+        children.setdefault(int(fields[1]), []).append(child)
+    out, todo = [], [pid]
+    while todo:
+        out.extend(kids := children.get(todo.pop(), []))
+        todo.extend(kids)
+    return out
+
+
+def renice(increment: int, since: set[int]) -> None:
+    """Add `increment` to the nice value (at most 19) of the threads this process started after
+    `since` (threads_of() then), of the calling thread, and of every thread of the processes below
+    it: os.nice, for a process that already runs threads (Linux sets priorities per thread)."""
+    targets = (threads_of() - since) | {threading.get_native_id()}
+    for child in descendants(os.getpid()):
+        targets |= threads_of(child)
+    for tid in targets:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+        except OSError:  # gone meanwhile
+            pass

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from async_rlhf.procs import LOOPBACK, die_with_parent, free_port
+from async_rlhf.procs import LOOPBACK, die_with_parent, free_port, proc_stats
 
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 _START_TIMEOUT_S = 60.0
@@ -77,18 +77,7 @@ def session_pids(sid: int) -> set[int]:
 
     Sessions, not process groups: the raylet puts each worker in a process group of its own.
     """
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # state ppid pgrp session ...
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            pids.add(int(entry))
-    return pids
+    return {pid for pid, fields in proc_stats() if fields[0] != "Z" and int(fields[3]) == sid}
 
 
 @dataclass

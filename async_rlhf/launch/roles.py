@@ -22,12 +22,15 @@ import time
 import traceback
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from async_rlhf.config import Config
 from async_rlhf.messages import CoordinatorSnapshot, EvalResult, GeneratorStats, JobSnapshot, StepMetrics
+from async_rlhf.procs import RENDEZVOUS_KEY, free_port, renice, threads_of
 from async_rlhf.staleness import StalenessGate, lagged_version
-from async_rlhf.weight_sync import SyncAddress, UpdateMeta, WeightBroadcaster
+
+if TYPE_CHECKING:  # torch: the coordinator's process needs none of it
+    from async_rlhf.weight_sync import SyncAddress, UpdateMeta
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +140,7 @@ class GeneratorWorker:
         from actors.preferences import make_preference_producer
         from buffer.redis_stream import RedisExperienceQueue
 
-        os.nice(cfg.generator.nice)  # before any thread starts: Linux sets it per thread, new ones inherit
+        ray_threads = threads_of()
         self.generator_id = f"gen-{index}"
         queue = RedisExperienceQueue.from_config(cfg.queue, redis_url, consumer=self.generator_id)
         gate = _CoordinatorGate(coordinator, self.generator_id, lambda: self.generator.policy_version)
@@ -145,6 +148,8 @@ class GeneratorWorker:
         make = make_preference_producer if cfg.data.source == "preferences" else make_generator
         self.generator = make(cfg, queue, gate, index=index)
         self.engine = self.generator.engine  # its weight-sync member
+        # its start is the job's critical path: generator.nice only once the engine is up
+        renice(cfg.generator.nice, since=ray_threads)
         self.stop_event = threading.Event()
         self.error = ""
         self.last_receive_s = 0.0  # the newest weight update's transfer time
@@ -357,8 +362,6 @@ class LearnerWorker:
     def master_address(self) -> tuple[str, int, str]:
         """Rank 0: where the ranks meet, on rank 0's own node (a free port there), and the
         secret their rendezvous keys live under (procs.RENDEZVOUS_KEY)."""
-        from async_rlhf.procs import free_port
-
         host = node_address()
         return host, free_port(host), secrets.token_hex(16)
 
@@ -366,7 +369,7 @@ class LearnerWorker:
         """Join the ranks at `master` and load the model (resumed from the newest checkpoint,
         or the initial weights if there is none); rank 0 also opens the weight broadcaster on
         its node's address."""
-        from async_rlhf.procs import RENDEZVOUS_KEY
+        from async_rlhf.weight_sync import WeightBroadcaster
 
         cfg, rank = self.cfg, self.rank
         host, port, key = master
