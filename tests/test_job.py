@@ -25,6 +25,7 @@ import msgpack
 import pytest
 import redis
 
+from async_rlhf.procs import descendants
 from buffer.redis_server import EmbeddedRedis
 from helpers import ReplyLosingProxy
 
@@ -87,13 +88,6 @@ def _steps_done(tmp_path: Path, name: str) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _the_generator_after_two_steps(tmp_path: Path, name: str, proc: subprocess.Popen) -> dict:
-    """The job's only generator, as `status --json` shows it, once two learner steps are done."""
-    _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
-    (gen,) = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))["generators"]
-    return gen
-
-
 def _five_more_steps_then_stop(tmp_path: Path, name: str, proc: subprocess.Popen) -> tuple[list, dict]:
     """The job goes on: five more learner steps, then `stop` and its metrics and summary."""
     after = _steps_done(tmp_path, name)
@@ -123,7 +117,9 @@ def test_pipeline_respects_the_staleness_bound(tmp_path, tiny_actor_model, k):
     """With in-flight weight updates (the default), on responses of 1 to 64 tokens: no sample
     trained staler than k, measured by its oldest token, and none dropped for it. At k = 1 the
     job's Redis sits behind a TCP proxy that loses the reply to every third put after the server
-    ran it: the generator's retries add no group twice, and none goes stale for them."""
+    ran it: the generator's retries add no group twice, and none goes stale for them. At k = 2 an
+    evaluator also scores held-out prompts (eval.every=2): at even versions and at the last (4),
+    each evaluation with the version it evaluated in metrics.jsonl and TensorBoard."""
     name = f"k{k}"
     with contextlib.ExitStack() as stack:
         through_proxy = []
@@ -132,8 +128,9 @@ def test_pipeline_respects_the_staleness_bound(tmp_path, tiny_actor_model, k):
             proxy = ReplyLosingProxy(server.url, every=3)
             stack.callback(proxy.close)
             through_proxy = [f"queue.redis_url={proxy.url}"]
+        evaluate = ["eval.every=2", "eval.prompts=6", "eval.samples=2"] if k == 2 else []
         proc = _train(tmp_path, tiny_actor_model, name, f"max_staleness={k}", "learner.steps=4",
-                      "data.task=length", "generator.max_new_tokens=64", *through_proxy)
+                      "data.task=length", "generator.max_new_tokens=64", *through_proxy, *evaluate)
         metrics, summary = _finish(tmp_path, name, proc)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
@@ -152,6 +149,23 @@ def test_pipeline_respects_the_staleness_bound(tmp_path, tiny_actor_model, k):
     else:  # the job's own redis-server: whether its stream survives a restart is said at start
         assert "stream: in memory only (queue.durable=false)" in proc.log_path.read_text()
     print(f"k={k}: {gen['inflight_updates']} of {gen['weight_updates']} updates in flight")
+    if k == 2:
+        _check_heldout_evaluation(tmp_path / name, metrics)
+
+
+def _check_heldout_evaluation(out: Path, metrics: list[dict]) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    evals = [e for m in metrics for e in m.get("evals", [])]
+    versions = [e["policy_version"] for e in evals]
+    assert versions[-1] == 4 and set(versions) <= {0, 2, 4} and versions == sorted(set(versions))
+    assert "evals" in metrics[-1]  # the last step's row waits for the last version's evaluation
+    for e in evals:
+        assert 0 <= e["eval_reward"] <= 1 and 0 <= e["eval_pass@2"] <= 1 and e["eval_prompts"] == 6
+    tb = EventAccumulator(str(out / "tensorboard"))
+    tb.Reload()
+    assert [s.step for s in tb.Scalars("eval_reward")] == versions
+    assert [s.value for s in tb.Scalars("eval_pass@2")] == pytest.approx([e["eval_pass@2"] for e in evals])
 
 
 @pytest.mark.parametrize("algorithm", ["dpo", "rs"])
@@ -328,23 +342,11 @@ def _processes_below(root: int, title: bytes) -> list[int]:
     """The processes below `root` whose command line starts with `title` (Ray titles an actor's
     process ray::<class>, vLLM its engine core VLLM::EngineCore; a job's own Ray head runs below
     its `train`)."""
-    parents, titles = {}, {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            titles[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-
-    def below(pid: int) -> bool:
-        while pid > 1:
-            pid = parents.get(pid, 0)
-            if pid == root:
-                return True
-        return False
-
-    return [pid for pid, cmdline in titles.items() if cmdline.startswith(title) and below(pid)]
+    titles = {}
+    for pid in descendants(root):
+        with contextlib.suppress(OSError):
+            titles[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()
+    return [pid for pid, cmdline in titles.items() if cmdline.startswith(title)]
 
 
 def _redis_server_pid(port: int) -> int:
@@ -424,43 +426,36 @@ def test_generators_and_redis_die_and_the_job_goes_on_losing_nothing(tmp_path, t
     assert password and not any(password in text for text in outputs)
 
 
-def test_a_generator_whose_engine_core_stops_is_replaced_and_the_job_finishes(tmp_path, tiny_actor_model):
+def test_a_generator_whose_engine_core_stops_is_replaced_and_the_last_to_die_ends_the_job(tmp_path, tiny_actor_model):
     """vLLM's engine core in a process of its own, as on GPU: every weight update crosses into
     it. After two steps that process is SIGSTOPped. The generator's actor still answers, but its
     engine takes no step and loads no weights while it has work: after generator.stall_s the
-    launcher kills it and starts another in its place. The job goes on, loses no group, and
-    leaves no stopped process behind."""
+    launcher kills it and starts another in its place (generator.max_restarts=1). The job goes
+    on, loses no group, and leaves no stopped process behind. Then the new generator is killed
+    with no restart left: the job ends saying so, and the learner step waiting for data that
+    cannot come does not hold the shutdown for learner.wait_s."""
     name = "stall"
     proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "generator.engine_core_process=true",
-                  "generator.stall_s=15")
+                  "generator.stall_s=15", "generator.max_restarts=1", "learner.wait_s=600")
     with _interrupted_on_failure(proc):
-        gen = _the_generator_after_two_steps(tmp_path, name, proc)
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
+        (gen,) = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))["generators"]
         (core,) = _processes_below(gen["pid"], b"VLLM::EngineCore")
         os.kill(core, signal.SIGSTOP)
         _wait_for(proc, lambda: "stalled: no engine step or weight load for" in proc.log_path.read_text(), 120,
                   "the launcher to find the generator stalled")
-        metrics, summary = _five_more_steps_then_stop(tmp_path, name, proc)
-    log = proc.log_path.read_text()
-    assert "(generator.stall_s=15)" in log
-    assert summary["generator_stalls"] == 1 and summary["generators"][0]["pid"] != gen["pid"]
-    assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1)) and summary["lost"] == 0
-    _check_accounting(summary)
-    assert "Attempted to load weight" not in log  # float32 into the bf16 engine: the cast chosen
-    assert not Path(f"/proc/{core}").exists()
-
-
-def test_a_job_whose_last_generator_dies_ends_at_once(tmp_path, tiny_actor_model):
-    """The only generator killed with no restarts left: the job ends saying so, and the learner
-    step waiting for data that cannot come does not hold the shutdown for learner.wait_s."""
-    name = "orphan"
-    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "generator.max_restarts=0",
-                  "learner.wait_s=600")
-    with _interrupted_on_failure(proc):
-        gen = _the_generator_after_two_steps(tmp_path, name, proc)
-        os.kill(gen["pid"], signal.SIGKILL)
+        after = _steps_done(tmp_path, name)
+        _wait_for(proc, lambda: _steps_done(tmp_path, name) >= after + 5, 300, "five more steps")
+        (new,) = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))["generators"]
+        assert new["pid"] != gen["pid"] and not Path(f"/proc/{core}").exists()
+        os.kill(new["pid"], signal.SIGKILL)
         assert proc.wait(300) == 1  # not learner.wait_s = 600 s later
+    log = proc.log_path.read_text()
+    assert "(generator.stall_s=15)" in log and "Attempted to load weight" not in log  # float32 into bf16: cast
+    metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((tmp_path / name / "summary.json").read_text())
-    assert "no generator is running" in summary["error"] and summary["lost"] == 0
+    assert summary["generator_stalls"] == 1 and "no generator is running" in summary["error"]
+    assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1)) and summary["lost"] == 0
     assert any((tmp_path / name / "checkpoints").iterdir())
 
 
@@ -607,23 +602,38 @@ def test_job_whose_ray_head_cannot_start_fails_fast(tmp_path, tiny_actor_model):
     assert not (tmp_path / "home" / "jobs" / f"{name}.json").exists()
 
 
-def test_ctrl_c_checkpoints_accounts_and_leaves_no_process(tmp_path, tiny_actor_model):
+def test_ctrl_c_checkpoints_and_leaves_no_process_then_resume_goes_on_with_its_weights(tmp_path, tiny_actor_model):
+    """On DeepSpeed (the killed-learner test above resumes torch's checkpoints). Ctrl-C after two
+    steps: the step in flight finishes, DeepSpeed checkpoints it, the policy is exported, every
+    group is accounted for and no process is left. `--resume` then goes on from that version."""
     name = "ctrlc"
-    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000")
+    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "learner.backend=deepspeed")
     _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
     info = json.loads((tmp_path / "home" / "jobs" / f"{name}.json").read_text())
     proc.send_signal(signal.SIGINT)
     assert proc.wait(300) == 130
     summary = json.loads((tmp_path / name / "summary.json").read_text())
     _check_accounting(summary)
-    assert any((tmp_path / name / "checkpoints").iterdir())
-    assert (tmp_path / name / "policy" / "config.json").exists()
+    assert (tmp_path / name / "policy" / "config.json").exists()  # the HF export
     assert not (tmp_path / "home" / "jobs" / f"{name}.json").exists()
     ray_port = info["ray_address"].rsplit(":", 1)[1]
     redis_port = info["redis_url"].rsplit(":", 1)[1].split("/")[0]
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     leftovers = [line for line in ps.splitlines() if f":{ray_port}" in line or f"127.0.0.1:{redis_port}" in line]
     assert leftovers == []
+    # DeepSpeed wrote the checkpoint of the last step, in its own files (torch's: one state.pt)
+    version = _steps_done(tmp_path, name)
+    checkpoint = tmp_path / name / "checkpoints" / f"v{version}"
+    assert checkpoint.is_dir() and not (checkpoint / "state.pt").exists()
+
+    again = _train(tmp_path, tiny_actor_model, name, f"learner.steps={version + 2}", "--resume",
+                   "learner.backend=deepspeed")
+    metrics, summary = _finish(tmp_path, name, again)
+    assert [m["step"] for m in metrics] == list(range(1, version + 3))  # metrics.jsonl goes on
+    # the generators got the checkpoint's weights before generating: the first resumed step
+    # trains on samples of that version, not of the initial weights (which the learner would drop)
+    assert metrics[version]["staleness_max"] == 0 and summary["dropped_stale"] == 0
+    _check_accounting(summary)
 
 
 def test_resume_after_a_killed_launcher_rebuilds_the_gate_and_prompts_from_the_stream(
@@ -651,43 +661,3 @@ def test_resume_after_a_killed_launcher_rebuilds_the_gate_and_prompts_from_the_s
     assert summary["dropped_stale"] <= 4, summary
     (gen,) = summary["generators"]
     assert gen["prompt_start"] >= 3 * 4, gen  # 3 steps of 4 prompts were in the stream at least
-
-
-def test_resume_continues_from_the_checkpoint_with_current_weights(tmp_path, tiny_actor_model):
-    """On DeepSpeed (the killed-learner test above resumes torch's checkpoints)."""
-    first = _train(tmp_path, tiny_actor_model, "res", "learner.steps=3", "learner.backend=deepspeed")
-    _finish(tmp_path, "res", first)
-    assert (tmp_path / "res" / "policy" / "config.json").is_file()  # the HF export
-    # DeepSpeed wrote the checkpoint, in its own files (torch's would be one state.pt)
-    v3 = tmp_path / "res" / "checkpoints" / "v3"
-    assert v3.is_dir() and not (v3 / "state.pt").exists()
-    again = _train(tmp_path, tiny_actor_model, "res", "learner.steps=5", "--resume", "learner.backend=deepspeed")
-    metrics, summary = _finish(tmp_path, "res", again)
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]  # metrics.jsonl goes on
-    # the generators got version 3's weights before generating: the first resumed step trains
-    # on samples of version 3, not of the initial weights (which the learner would drop)
-    assert metrics[3]["staleness_max"] == 0 and summary["dropped_stale"] == 0
-    _check_accounting(summary)
-
-
-def test_heldout_evaluation_reaches_metrics_and_tensorboard(tmp_path, tiny_actor_model):
-    """eval.every=2 over 4 steps: the evaluator scores held-out prompts at even versions and at
-    the last (4); each evaluation, with the version it evaluated, is in metrics.jsonl and
-    TensorBoard."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    name = "eval"
-    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=4", "data.task=pick",
-                  "eval.every=2", "eval.prompts=6", "eval.samples=2")
-    metrics, summary = _finish(tmp_path, name, proc)
-    _check_accounting(summary)
-    evals = [e for m in metrics for e in m.get("evals", [])]
-    versions = [e["policy_version"] for e in evals]
-    assert versions[-1] == 4 and set(versions) <= {0, 2, 4} and versions == sorted(set(versions))
-    assert "evals" in metrics[-1]  # the last step's row waits for the last version's evaluation
-    for e in evals:
-        assert 0 <= e["eval_reward"] <= 1 and 0 <= e["eval_pass@2"] <= 1 and e["eval_prompts"] == 6
-    tb = EventAccumulator(str(tmp_path / name / "tensorboard"))
-    tb.Reload()
-    assert [s.step for s in tb.Scalars("eval_reward")] == versions
-    assert [s.value for s in tb.Scalars("eval_pass@2")] == pytest.approx([e["eval_pass@2"] for e in evals])

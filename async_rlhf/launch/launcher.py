@@ -90,6 +90,7 @@ class Job:
         self.coordinator = None
         self.stream: JobStream | None = None
         self.learners: list[Any] = []
+        self.step_in_flight: tuple[list, float] | None = None  # the ranks' step refs, its start
         self.learner_starts: list[Any] = []  # the ranks' start calls (refs)
         self.evaluator = None  # the EvalWorker actor when eval.every > 0
         self.metrics: MetricsLog | None = None  # opened once the generators are up
@@ -124,6 +125,7 @@ class Job:
                 code = self._loop()
             except KeyboardInterrupt:
                 print("\ninterrupted: checkpointing the learner, stopping generators", file=sys.stderr)
+                self._record_step_in_flight()
                 code = 130
             except Exception as e:  # noqa: BLE001 - still stop cleanly and account for everything
                 self.error = f"{type(e).__name__}: {e}".strip()
@@ -247,8 +249,16 @@ class Job:
         self.learner_starts = [learner.start.remote(master) for learner in self.learners]
 
     def _learners_ready(self) -> int:
-        """Wait for the learner ranks to be up; their version."""
-        self.ray.get(self.learner_starts)
+        """Wait for the learner ranks to be up; their version. If one fails to start, every rank
+        is killed: a rank that did start would wait for the others in the final checkpoint, and
+        that checkpoint must not replace the one the failed rank could not load."""
+        try:
+            self.ray.get(self.learner_starts)
+        except Exception:
+            for learner in self.learners:
+                self.ray.kill(learner)
+            self.learners = []
+            raise
         self.learner_pid = self.ray.get(self.learners[0].pid.remote())
         return self.ray.get(self.learners[0].get_version.remote())
 
@@ -262,6 +272,7 @@ class Job:
             raise RuntimeError(f"the learner failed ({why}) and learner.max_restarts={budget} "
                                "restarts are spent")
         self.learner_restarts += 1
+        self.step_in_flight = None  # lost with the ranks
         print(f"learner failed ({why}); restarting it from the newest checkpoint (restart "
               f"{self.learner_restarts} of learner.max_restarts={budget})", file=sys.stderr)
         for learner in self.learners:
@@ -407,6 +418,7 @@ class Job:
         past learner.step_timeout_s has a hung rank: raise _RankDied, which restarts them all."""
         ray, timeout_s = self.ray, self.cfg.learner.step_timeout_s
         refs = [l.step.remote() for l in self.learners]
+        self.step_in_flight = (refs, time.perf_counter())
         deadline = time.monotonic() + timeout_s
         while len(ready := ray.wait(refs, num_returns=len(refs), timeout=TICK_S)[0]) < len(refs):
             self._rank_results(ready)  # a rank that failed: raise now, not after the others' timeout
@@ -417,7 +429,22 @@ class Job:
             self._tick()
         if time.monotonic() - self.last_tick >= TICK_S:  # fast steps: still watch each second
             self._tick()
-        return self._rank_results(refs)[0]
+        results = self._rank_results(refs)
+        self.step_in_flight = None
+        return results[0]
+
+    def _record_step_in_flight(self) -> None:
+        """Interrupted during a learner step: the ranks finish it and the final checkpoint holds
+        it, so its row goes into metrics.jsonl too (a resumed job's rows then have no gap)."""
+        if self.step_in_flight is None or self.metrics is None:
+            return
+        (refs, start), self.step_in_flight = self.step_in_flight, None
+        try:
+            metrics = self.ray.get(refs)[0]
+        except Exception as e:  # noqa: BLE001 - e.g. a rank died: the checkpoint says where it stands
+            log.warning("the learner step in flight at the interrupt failed: %s", e)
+            return
+        self._record(metrics, time.perf_counter() - start)
 
     def _rank_results(self, refs: list) -> list:
         """The ranks' results; a rank's death raises _RankDied (only theirs: an actor error
