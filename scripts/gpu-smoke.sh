@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU smoke check: on a GPU machine that reaches the package registries, set up with CUDA
+# vLLM, torch and flash-attn, run the tests marked `gpu`, then a 20-step demo on the GPU, and
+# print one line per check: "ok", "FAIL" or "skipped", with what it saw. Exit 1 if one failed.
+#
+#   scripts/gpu-smoke.sh             # set up .venv-gpu (pip install -e ".[gpu,test]"), then check
+#   scripts/gpu-smoke.sh --installed # no install: with the python on PATH, every check whose
+#                                    # packages are there (DeepSpeed on CUDA, NCCL, the weight
+#                                    # buckets); the demo only where vLLM imports
+# Logs go to runs/gpu-smoke/.
+set -u
+cd "$(dirname "$0")/.."
+LOGS=runs/gpu-smoke
+mkdir -p "$LOGS"
+failed=0
+line() { printf '%-8s %-7s %s\n' "$1" "$2" "$3"; [ "$2" = FAIL ] && failed=1; return 0; }
+
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >"$LOGS/gpus.txt" 2>&1; then
+    line gpus skipped "no NVIDIA GPU here (nvidia-smi): nothing to check"
+    exit 0
+fi
+line gpus ok "$(wc -l <"$LOGS/gpus.txt") GPU(s): $(head -1 "$LOGS/gpus.txt")"
+
+if [ "${1:-}" = --installed ]; then
+    PY=$(command -v python3)
+else
+    if python3 -m venv .venv-gpu >"$LOGS/setup.log" 2>&1 &&
+        .venv-gpu/bin/pip install -e ".[gpu,test]" >>"$LOGS/setup.log" 2>&1; then
+        line setup ok ".venv-gpu: $(.venv-gpu/bin/python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)')"
+    else
+        line setup FAIL "pip install -e .[gpu,test]: see $LOGS/setup.log"
+        exit 1
+    fi
+    PY=.venv-gpu/bin/python
+fi
+for pkg in torch deepspeed vllm flash_attn; do
+    if version=$("$PY" -c "import $pkg; print($pkg.__version__)" 2>/dev/null); then
+        line "$pkg" ok "$version"
+    else
+        line "$pkg" skipped "does not import with $PY: the checks that need it are skipped"
+    fi
+done
+
+# the tests marked gpu: a test whose package is missing is skipped by pytest.importorskip
+if "$PY" -m pytest tests -m gpu -q -rs -p no:cacheprovider >"$LOGS/tests.log" 2>&1; then
+    line tests ok "$(tail -1 "$LOGS/tests.log")"
+else
+    line tests FAIL "$(tail -1 "$LOGS/tests.log") (see $LOGS/tests.log)"
+fi
+
+if "$PY" -c "import vllm" 2>/dev/null; then
+    if timeout 600 "$PY" -m async_rlhf.launch.cli train --config configs/demo.yaml --job gpu-smoke \
+        --out "$LOGS/demo" learner.steps=20 >"$LOGS/demo.log" 2>&1 && grep -q "lost=0" "$LOGS/demo.log"; then
+        line demo ok "$(grep -E '^start-up|^step +20/' "$LOGS/demo.log" | tr -s ' ' | paste -sd ';')"
+    else
+        line demo FAIL "20 steps of configs/demo.yaml: see $LOGS/demo.log"
+    fi
+else
+    line demo skipped "vLLM does not import"
+fi
+exit $failed
