@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 LOGS=runs/gpu-smoke
 mkdir -p "$LOGS"
 failed=0
-line() { printf '%-8s %-7s %s\n' "$1" "$2" "$3"; [ "$2" = FAIL ] && failed=1; return 0; }
+line() { printf '%-10s %-7s %s\n' "$1" "$2" "$3"; [ "$2" = FAIL ] && failed=1; return 0; }
 
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >"$LOGS/gpus.txt" 2>&1; then
     line gpus skipped "no NVIDIA GPU here (nvidia-smi): nothing to check"
@@ -34,7 +34,7 @@ else
     PY=.venv-gpu/bin/python
 fi
 for pkg in torch deepspeed vllm flash_attn; do
-    if version=$("$PY" -c "import $pkg; print($pkg.__version__)" 2>/dev/null); then
+    if version=$("$PY" -c "import $pkg; print($pkg.__version__)" 2>/dev/null | tail -1) && [ -n "$version" ]; then
         line "$pkg" ok "$version"
     else
         line "$pkg" skipped "does not import with $PY: the checks that need it are skipped"
