@@ -288,7 +288,7 @@ def test_vllm_settings_resolve_auto_per_device():
 
 
 _BF16_ENGINE = """
-import json, subprocess, sys
+import json, os, subprocess, sys
 if __name__ == "__main__":
     registry_runs, run = [], subprocess.run  # vLLM's model inspection in a process of its own
     subprocess.run = lambda cmd, *a, **k: (registry_runs.append(cmd) if "vllm.model_executor.models.registry"
@@ -307,7 +307,8 @@ if __name__ == "__main__":
     print("RESULT", json.dumps({"dtype": str(config.model_config.dtype), "eager": config.model_config.enforce_eager,
                                 "memory": config.cache_config.gpu_memory_utilization,
                                 "samples": sum(len(g) for g in groups), "version": engine.policy_version,
-                                "registry_subprocesses": len(registry_runs)}))
+                                "registry_subprocesses": len(registry_runs),
+                                "compiled": sorted(os.listdir(os.environ["TORCHINDUCTOR_CACHE_DIR"]))}))
     engine.close()
 """
 
@@ -315,12 +316,15 @@ if __name__ == "__main__":
 @pytest.mark.slow
 def test_vllm_engine_takes_the_generator_dtype_and_memory_share(tiny_actor_model, tmp_path):
     """generator.dtype=bfloat16 reaches vLLM (its own process: one engine per module here), which
-    samples and loads fp32 weights from the learner. Its cache is empty, as on a new machine: vLLM
-    inspects the model class in this process, not in a subprocess that imports vLLM again."""
+    samples and loads fp32 weights from the learner. Its caches are empty, as on a new machine:
+    vLLM inspects the model class in this process, not in a subprocess that imports vLLM again,
+    and an eager engine compiles nothing (vLLM torch.compiles its logprob rank op)."""
     done = subprocess.run([sys.executable, "-c", _BF16_ENGINE, str(tiny_actor_model)], capture_output=True,
                           text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
-                          env={**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")})
+                          env={**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+                               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")})
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert line, (done.stdout + done.stderr)[-3000:]
     assert json.loads(line[len("RESULT "):]) == {"dtype": "torch.bfloat16", "eager": True, "memory": 0.25,
-                                                 "samples": 2, "version": 1, "registry_subprocesses": 0}
+                                                 "samples": 2, "version": 1, "registry_subprocesses": 0,
+                                                 "compiled": []}

@@ -187,8 +187,12 @@ class VLLMEngine:
             from vllm.sampling_params import RequestOutputKind
         except ImportError as e:
             raise ImportError(_INSTALL_HINT) from e
+        self._dynamo_disabled = torch._dynamo.config.disable  # close() puts it back
         if self.device == "cpu":
             _inspect_models_in_this_process()
+            # eager means eager: vLLM still torch.compiles its sampled-token rank op, a C++ build
+            # per shape it meets (10 s for the first generate on a new machine here)
+            torch._dynamo.config.disable = enforce_eager or self._dynamo_disabled
         self._sampling_params = SamplingParams
         self._final_only = RequestOutputKind.FINAL_ONLY
         self.max_new_tokens = max_new_tokens
@@ -219,8 +223,8 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Shut the engine down and undo what the in-process engine set on this process (the
-        default torch.distributed group, torch.set_num_threads, environment variables), e.g.
-        between tests."""
+        default torch.distributed group, torch.set_num_threads, dynamo's switch, environment
+        variables), e.g. between tests."""
         import gc
 
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
@@ -231,6 +235,7 @@ class VLLMEngine:
         destroy_model_parallel()
         destroy_distributed_environment()
         torch.set_num_threads = self._set_num_threads
+        torch._dynamo.config.disable = self._dynamo_disabled
         os.environ.clear()
         os.environ.update(self._environ)
 
