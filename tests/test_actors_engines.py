@@ -288,7 +288,7 @@ def test_vllm_settings_resolve_auto_per_device():
 
 
 _BF16_ENGINE = """
-import json, os, subprocess, sys
+import json, os, subprocess, sys, threading
 if __name__ == "__main__":
     registry_runs, run = [], subprocess.run  # vLLM's model inspection in a process of its own
     subprocess.run = lambda cmd, *a, **k: (registry_runs.append(cmd) if "vllm.model_executor.models.registry"
@@ -302,7 +302,9 @@ if __name__ == "__main__":
     engine = make_engine(GeneratorConfig(dtype="bfloat16", gpu_memory_utilization=0.25, max_new_tokens=4), path)
     config = engine.llm.llm_engine.vllm_config
     tok = AutoTokenizer.from_pretrained(path)
-    groups = engine.generate([Prompt("p", tuple(tok("aaa")["input_ids"]), "aaa", "")], n=2)
+    groups = []  # in a thread, as the generator's engine loop runs
+    loop = threading.Thread(target=lambda: groups.extend(engine.generate([Prompt("p", tuple(tok("aaa")["input_ids"]), "aaa", "")], n=2)))
+    loop.start(); loop.join()
     engine.update_weights(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items(), 1)
     print("RESULT", json.dumps({"dtype": str(config.model_config.dtype), "eager": config.model_config.enforce_eager,
                                 "memory": config.cache_config.gpu_memory_utilization,

