@@ -5,8 +5,8 @@ start_head, start_node_in: a real second address, as a job spanning two machines
 Users add a node with `ray start --address=... --resources=...` (README, "Adding generators"),
 but `ray start` refuses a non-head node on a loopback-only cluster (async_rlhf/launch/cluster.py
 explains why the job's local cluster is one), so this starts `ray._private.node.Node(head=False)`
-itself, which is what `ray start --address` does. It reuses cluster.py's process-session helpers
-(own session, parent-death signal, stop by session), private to that module.
+itself (cluster.node_command), which is what `ray start --address` does. It reuses cluster.py's
+process-session helpers (own session, parent-death signal, stop by session), private to that module.
 """
 
 from __future__ import annotations
@@ -22,22 +22,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from async_rlhf.launch.cluster import _LOOPBACK_HOSTS, LocalCluster, _Node, _spawn, _wait_for_log, ray_env
+from async_rlhf.launch.cluster import (_LOOPBACK_HOSTS, LocalCluster, _Node, _spawn, _wait_for_log,
+                                       node_command, ray_env)
 from async_rlhf.procs import LOOPBACK, free_port
-
-_WORKER_NODE_MAIN = """
-import json, signal, sys
-from ray._private.node import Node
-from ray._private.parameter import RayParams
-address, num_cpus, resources = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-params = RayParams(gcs_address=address, node_ip_address="127.0.0.1", num_cpus=num_cpus,
-                   resources=resources, dashboard_agent_listen_port=0)
-node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
-print("WORKER_NODE_READY", node.node_id, flush=True)
-while True:
-    signal.pause()  # Node's SIGTERM handler shuts the node's processes down and exits
-"""
-
 
 @dataclass
 class WorkerNode(_Node):
@@ -55,10 +42,10 @@ def start_worker_node(address: str, token_path: Path, num_cpus: int,
         raise ValueError(f"start_worker_node joins a node on this machine's loopback; got address "
                          f"{address}: use `ray start --address={address}` on the other machine")
     log_path = Path(tempfile.mkstemp(prefix="arl-ray-node-", suffix=".log", dir="/tmp")[1])
-    cmd = [sys.executable, "-c", _WORKER_NODE_MAIN, f"{LOOPBACK}:{address.rsplit(':', 1)[1]}",
-           str(num_cpus), json.dumps(resources)]
-    group = _spawn(cmd, log_path, ray_env(token_path))
-    line = _wait_for_log(group, "WORKER_NODE_READY", f"ray worker node for {address}")
+    params = dict(gcs_address=f"{LOOPBACK}:{address.rsplit(':', 1)[1]}", node_ip_address=LOOPBACK,
+                  num_cpus=num_cpus, resources=resources)
+    group = _spawn(node_command(params, head=False), log_path, ray_env(token_path))
+    line = _wait_for_log(group, "Ray runtime started", f"ray worker node for {address}")
     return WorkerNode(group, node_id=line.split()[-1])
 
 

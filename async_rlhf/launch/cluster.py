@@ -230,17 +230,35 @@ def launch_local_cluster(num_cpus: int, resources: dict[str, float] | None = Non
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
     port = free_port()
-    cmd = [
-        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-        f"--node-ip-address={LOOPBACK}", f"--port={port}", f"--num-cpus={num_cpus}",
-        f"--resources={json.dumps(resources or {})}", f"--temp-dir={temp_dir}",
-        # no autoscaler monitor: the cluster is fixed, and it starts before the raylet (~2 s)
-        "--include-dashboard=false", "--disable-usage-stats", "--no-monitor",
-        # Defaults are fixed ports (10001, 52365): a second cluster on the machine would clash.
-        f"--ray-client-server-port={free_port()}", "--dashboard-agent-listen-port=0",
-    ]
-    group = _spawn(cmd, temp_dir.with_suffix(".log"), ray_env(token_path))
+    # Defaults are fixed ports (52365 for the agent): a second cluster on the machine would clash.
+    # No autoscaler monitor (the cluster is fixed) and no dashboard.
+    params = dict(node_ip_address=LOOPBACK, node_name=LOOPBACK, gcs_server_port=port,
+                  num_cpus=num_cpus, resources=resources or {}, temp_dir=str(temp_dir),
+                  include_dashboard=False, no_monitor=True)
+    group = _spawn(node_command(params, head=True), temp_dir.with_suffix(".log"), ray_env(token_path))
     return LocalCluster(group, address=f"{LOOPBACK}:{port}", temp_dir=temp_dir)
+
+
+# What `ray start [--head] --block` runs, without its CLI: that imports ~1.5 CPU-s of modules
+# (click, the autoscaler) while the job waits on the head, and it adds a Ray client server
+# (ray:// drivers; every driver here connects to the GCS).
+_NODE_MAIN = """
+import json, signal, sys
+from ray._private.node import Node
+from ray._private.parameter import RayParams
+head, params = sys.argv[1] == "head", json.loads(sys.argv[2])
+node = Node(RayParams(dashboard_agent_listen_port=0, **params), head=head, shutdown_at_exit=True,
+            spawn_reaper=True)
+print("Ray runtime started", node.node_id, flush=True)
+while True:
+    signal.pause()  # Node's SIGTERM handler shuts the node's processes down and exits
+"""
+
+
+def node_command(params: dict, head: bool) -> list[str]:
+    """The command line of a Ray node process with these RayParams (JSON values); its log says
+    "Ray runtime started <node id>" once the node is up."""
+    return [sys.executable, "-c", _NODE_MAIN, "head" if head else "worker", json.dumps(params)]
 
 
 def connect(address: str | None, namespace: str, token_path: Path | str | None = None, **init_kwargs):
