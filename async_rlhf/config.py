@@ -171,9 +171,10 @@ class GeneratorConfig(_Section):
     # {node_b: 1} to run them on a node started with `ray start --resources='{"node_b": 8}'`;
     # a replaced generator asks for the same (`add-generators --resources` sets its own).
     resources: dict[str, float] = field(default_factory=dict)
-    # CPU scheduling priority (a nice increment, 0-19) of the generator processes. Where they
-    # share cores with the learner, a positive value gives the learner's threads the larger
-    # share and the generators the rest (placement: auto sets 19 on CPU; see its module doc).
+    # CPU scheduling priority of the generator processes once their engine is up: a nice
+    # increment, 0-19, over the learner's 15 (Ray's workers'; 19 at most). Where they share cores
+    # with the learner, a positive value gives the learner's threads the larger share and the
+    # generators the rest (placement: auto sets 19 on CPU; see its module doc).
     nice: int = 0
     tensor_parallel: int = 1  # GPU only
     # vLLM's weights and compute dtype. auto: bfloat16 on GPU and on a CPU that computes bf16

@@ -14,6 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
+# Ray runs its workers at nice 15 (RAY_worker_niceness), the learner ranks' priority, which
+# placement's CPU shares assume. The job's own cluster starts them at STARTUP_NICE: the engines'
+# start is the job's critical path, and until they are up they get a core before the learner
+# ranks do; each role lowers itself to WORKER_NICE once its part of the start is done (roles.py).
+WORKER_NICE, STARTUP_NICE = 15, 10
 
 _DIE_WITH_PARENT = """
 import ctypes, os, signal, sys
@@ -158,15 +163,19 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def renice(increment: int, since: set[int]) -> None:
-    """Add `increment` to the nice value (at most 19) of the threads this process started after
-    `since` (threads_of() then), of the calling thread, and of every thread of the processes below
-    it: os.nice, for a process that already runs threads (Linux sets priorities per thread)."""
-    targets = (threads_of() - since) | {threading.get_native_id()}
+def lower_priority(nice: int, since: set[int] | None = None) -> None:
+    """Lower this process's threads to the nice value `nice` (at most 19; a thread already at a
+    lower priority keeps it): every thread, or the calling one and those started after `since`
+    (threads_of() then); and every thread of the processes below it. Linux keeps priorities per
+    thread (os.nice reaches only the calling one), and an unprivileged process cannot raise one
+    back."""
+    nice = min(19, nice)
+    targets = threads_of() if since is None else (threads_of() - since) | {threading.get_native_id()}
     for child in descendants(os.getpid()):
         targets |= threads_of(child)
     for tid in targets:
         try:
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError:  # gone meanwhile
             pass

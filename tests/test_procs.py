@@ -1,5 +1,5 @@
-"""free_port: a port the kernel will not hand to another process in the meantime. renice: a
-running process's threads and children, in a subprocess of its own (priorities only go down)."""
+"""free_port: a port the kernel will not hand to another process in the meantime. lower_priority:
+a running process's threads and children, in a subprocess of its own (priorities only go down)."""
 
 from __future__ import annotations
 
@@ -33,29 +33,43 @@ def test_free_port_leaves_the_random_module_alone():
     assert random.random() == expected
 
 
-_RENICE = textwrap.dedent("""
+_LOWER = textwrap.dedent("""
     import os, subprocess, sys, threading
-    from async_rlhf.procs import renice, threads_of
+    from async_rlhf.procs import lower_priority, threads_of
 
     def nice(tid):
         return os.getpriority(os.PRIO_PROCESS, tid)
 
-    before = threading.Thread(target=threading.Event().wait, daemon=True)
-    before.start()  # as a Ray worker's own threads: started before, left alone
+    def thread(nice=None):
+        started = threading.Event()
+        def run():
+            if nice is not None:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            started.set()
+            threading.Event().wait()
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        started.wait()
+        return t
+
+    base = nice(0)
+    before = thread()  # as a Ray worker's own threads: started before `since`
     since = threads_of()
-    started = threading.Event()
-    after = threading.Thread(target=lambda: (started.set(), threading.Event().wait()), daemon=True)
-    after.start()  # as the engine's threads
-    started.wait()
+    after, low = thread(), thread(nice=19)  # as the engine's threads, one already at 19
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a reward worker
-    renice(5, since=since)
-    print(nice(threading.get_native_id()), nice(before.native_id), nice(after.native_id), nice(child.pid))
+    lower_priority(base + 5, since=since)
+    print(*[nice(t) for t in (threading.get_native_id(), before.native_id, after.native_id,
+                              low.native_id, child.pid)])
+    lower_priority(base + 3)  # every thread
+    print(*[nice(t) for t in (threading.get_native_id(), before.native_id, after.native_id)])
     child.kill()
 """)
 
 
-def test_renice_lowers_the_threads_started_since_and_the_children_only():
-    done = subprocess.run([sys.executable, "-c", _RENICE], capture_output=True, text=True, timeout=60)
+def test_lower_priority_reaches_the_threads_started_since_and_the_children_never_raising_one():
+    done = subprocess.run([sys.executable, "-c", _LOWER], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    assert [int(n) for n in done.stdout.split()] == [min(19, base + 5), base, min(19, base + 5), min(19, base + 5)]
+    since, every = [[int(n) for n in line.split()] for line in done.stdout.splitlines()]
+    assert since == [base + 5, base, base + 5, 19, base + 5]
+    assert every == [base + 5, base + 3, base + 5]

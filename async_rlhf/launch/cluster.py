@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from async_rlhf.procs import LOOPBACK, die_with_parent, free_port, proc_stats
+from async_rlhf.procs import LOOPBACK, STARTUP_NICE, die_with_parent, free_port, proc_stats
 
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 _START_TIMEOUT_S = 60.0
@@ -69,6 +69,7 @@ def ray_env(token_path: Path) -> dict[str, str]:
     env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
     # gloo (learner ranks, weight broadcast) otherwise picks the interface of the hostname
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env["RAY_worker_niceness"] = str(STARTUP_NICE)  # each role lowers itself once it is up
     return env
 
 

@@ -210,8 +210,10 @@ class Job:
             self.cluster.stop()
 
     def _start_actors(self) -> None:
-        """The coordinator, then the learner ranks and the generators at once, so that DeepSpeed
-        and vLLM start side by side; the gate starts at the version the learner resumes from."""
+        """The coordinator, the generators, then the learner ranks, so that DeepSpeed and vLLM
+        start side by side; the gate starts at the version the learner resumes from. Ray starts
+        as many worker processes at once as the machine has cores, in the order asked for: the
+        generators' engine start, the job's critical path, goes first."""
         from async_rlhf.launch.roles import Coordinator
         from learners.learner import checkpoint_version
 
@@ -219,6 +221,8 @@ class Job:
         self.start_version = checkpoint_version(self.out / "checkpoints") if self.resume else 0
         self.coordinator = self.ray.remote(Coordinator).options(name="coordinator").remote(
             cfg.max_staleness, cfg.learner.batch_size, self.start_version, self.carried)
+        for _ in range(cfg.generator.count):
+            self._add_generator(dict(cfg.generator.resources))
         self._start_learners(self.resume)
         if cfg.eval.every:
             from async_rlhf.launch.roles import EvalWorker
@@ -226,8 +230,6 @@ class Job:
             self.evaluator = self.ray.remote(EvalWorker).options(  # on GPU, GPUs of its own
                 num_cpus=1, num_gpus=cfg.generator.tensor_parallel if _gpu_count() else 0, max_concurrency=4,
                 name="evaluator").remote(cfg, fresh=not self.resume)
-        for _ in range(cfg.generator.count):
-            self._add_generator(dict(cfg.generator.resources))
         version = self._learners_ready()
         if version != self.start_version:
             raise RuntimeError(f"the learner resumed at version {version}, but the checkpoint "

@@ -18,8 +18,9 @@ idles for the rest.
   one thread each (ranks scale on CPU; a rank's extra threads gain little on small matrices:
   bench-learner): the learner runs wherever the generators leave a core idle, and a generator that
   waits on the staleness gate sleeps, yielding its core. The generators run at the lowest CPU
-  priority (generator.nice=19; Ray runs its workers, the learner's too, at nice 15), so that where
-  both want a core the learner gets about 70% of it (the kernel's weights for nice 15 and 19);
+  priority (generator.nice=19 once their engine is up; the learner ranks run at nice 15, Ray's
+  workers' default: async_rlhf.procs), so that where both want a core the learner gets about 70%
+  of it (the kernel's weights for nice 15 and 19);
   measured on configs/bench.yaml at k = 2, side by side: 13.5-14.0 samples/s against 12.2-12.7 at
   the same nice, and 11.8-12.1 with the learner at nice 0, which starved generation. Throughput is then bounded by
   N / (c_gen + c_learn), the perfect packing of both stages' work on the machine.

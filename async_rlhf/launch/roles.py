@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from async_rlhf.config import Config
 from async_rlhf.messages import CoordinatorSnapshot, EvalResult, GeneratorStats, JobSnapshot, StepMetrics
-from async_rlhf.procs import RENDEZVOUS_KEY, free_port, renice, threads_of
+from async_rlhf.procs import RENDEZVOUS_KEY, WORKER_NICE, free_port, lower_priority, threads_of
 from async_rlhf.staleness import StalenessGate, lagged_version
 
 if TYPE_CHECKING:  # torch: the coordinator's process needs none of it
@@ -149,7 +149,8 @@ class GeneratorWorker:
         self.generator = make(cfg, queue, gate, index=index)
         self.engine = self.generator.engine  # its weight-sync member
         # its start is the job's critical path: generator.nice only once the engine is up
-        renice(cfg.generator.nice, since=ray_threads)
+        lower_priority(WORKER_NICE + cfg.generator.nice, since=ray_threads)
+        lower_priority(WORKER_NICE)  # Ray's threads
         self.stop_event = threading.Event()
         self.error = ""
         self.last_receive_s = 0.0  # the newest weight update's transfer time
@@ -278,6 +279,7 @@ class EvalWorker:
         self.error = ""
         self.skipped = 0
         self.engine = self.evaluator.engine
+        lower_priority(WORKER_NICE)  # up (the first weight-sync epoch waits for its engine)
         self._newest: int | None = None  # the newest version received (staged)
         self._due: collections.deque[int | None] = collections.deque([None] if fresh else [])
         self._evaluated = -1  # the version last evaluated
@@ -371,6 +373,7 @@ class LearnerWorker:
         its node's address."""
         from async_rlhf.weight_sync import WeightBroadcaster
 
+        lower_priority(WORKER_NICE)  # the engines start first (procs.STARTUP_NICE)
         cfg, rank = self.cfg, self.rank
         host, port, key = master
         os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(cfg.learner.ranks),
