@@ -164,18 +164,20 @@ def descendants(pid: int) -> list[int]:
 
 
 def lower_priority(nice: int, since: set[int] | None = None) -> None:
-    """Lower this process's threads to the nice value `nice` (at most 19; a thread already at a
-    lower priority keeps it): every thread, or the calling one and those started after `since`
-    (threads_of() then); and every thread of the processes below it. Linux keeps priorities per
-    thread (os.nice reaches only the calling one), and an unprivileged process cannot raise one
-    back."""
+    """Lower threads of this process, and every thread of the processes below it, to the nice
+    value `nice` (at most 19; a thread already at a lower priority keeps it): the calling thread
+    and those started after `since` (threads_of() then); or, without `since`, every thread at
+    STARTUP_NICE or below in priority, which leaves a Ray worker's RPC threads alone (they run at
+    the raylet's priority, above its workers'). Linux keeps priorities per thread (os.nice reaches
+    only the calling one), and an unprivileged process cannot raise one back."""
     nice = min(19, nice)
     targets = threads_of() if since is None else (threads_of() - since) | {threading.get_native_id()}
     for child in descendants(os.getpid()):
         targets |= threads_of(child)
     for tid in targets:
         try:
-            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            now = os.getpriority(os.PRIO_PROCESS, tid)
+            if now < nice and (since is not None or now >= STARTUP_NICE):
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError:  # gone meanwhile
             pass

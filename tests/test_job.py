@@ -25,7 +25,7 @@ import msgpack
 import pytest
 import redis
 
-from async_rlhf.procs import descendants
+from async_rlhf.procs import WORKER_NICE, descendants, threads_of
 from buffer.redis_server import EmbeddedRedis
 from helpers import ReplyLosingProxy
 
@@ -349,6 +349,15 @@ def _processes_below(root: int, title: bytes) -> list[int]:
     return [pid for pid, cmdline in titles.items() if cmdline.startswith(title)]
 
 
+def _nices(pid: int) -> set[int]:
+    """The nice values of a process's threads."""
+    nices = set()
+    for tid in threads_of(pid):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            nices.add(os.getpriority(os.PRIO_PROCESS, tid))
+    return nices
+
+
 def _redis_server_pid(port: int) -> int:
     """The redis-server listening on 127.0.0.1:port (it titles itself so)."""
     for entry in os.listdir("/proc"):
@@ -388,6 +397,12 @@ def test_generators_and_redis_die_and_the_job_goes_on_losing_nothing(tmp_path, t
 
         victims = json.loads(status_json)["generators"]
         assert len(victims) == 2
+        # up and running, no part is left at its start-up priority: each thread Ray ran at
+        # STARTUP_NICE is at Ray's workers' usual 15 (generator.nice=0 here); Ray's RPC threads
+        # keep the raylet's priority (this test's)
+        for title in (b"ray::LearnerWorker", b"ray::GeneratorWorker"):
+            pids = _processes_below(proc.pid, title)
+            assert pids and set().union(*map(_nices, pids)) == {os.getpriority(os.PRIO_PROCESS, 0), WORKER_NICE}, title
         for victim in victims:
             os.kill(victim["pid"], signal.SIGKILL)
 
