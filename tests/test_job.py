@@ -271,7 +271,7 @@ def test_killed_learner_restarts_from_its_checkpoint_and_the_job_finishes(tmp_pa
     """On the torch backend (the resume test below is DeepSpeed's): its checkpoints, one
     state.pt each, are what the restarted learner goes on from."""
     name = "relearn"
-    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=150", "max_staleness=1",
+    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=60", "max_staleness=1",
                   "learner.checkpoint_every=5", "learner.micro_batch=1", "learner.backend=torch")
     with _interrupted_on_failure(proc):
         _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 1, 300, "the first learner step")
@@ -285,12 +285,12 @@ def test_killed_learner_restarts_from_its_checkpoint_and_the_job_finishes(tmp_pa
     # learner had already recorded are trained again (none when it died just after checkpointing)
     version = int(re.search(r"learner restarted at version (\d+)", log).group(1))
     assert version >= 5 and version % 5 == 0
-    assert (tmp_path / name / "checkpoints" / "v150" / "state.pt").is_file()  # the newest are kept
+    assert (tmp_path / name / "checkpoints" / "v60" / "state.pt").is_file()  # the newest are kept
     steps = [m["step"] for m in metrics]
     restart = len(steps) - 1 - steps[::-1].index(version + 1)
     assert restart >= version
     assert steps[:restart] == list(range(1, restart + 1))
-    assert steps[restart:] == list(range(version + 1, 151))
+    assert steps[restart:] == list(range(version + 1, 61))
     _check_accounting(summary)
     counters = summary["counters"]
     assert counters.get("ack_lost", 0) == 0  # no group trained by two incarnations
@@ -308,7 +308,7 @@ def test_a_learner_rank_that_dies_or_hangs_restarts_every_rank(tmp_path, tiny_ac
     name = "ranks"
     proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=25", "max_staleness=1",
                   "learner.checkpoint_every=5", "learner.ranks=2", "learner.zero_stage=2",
-                  "learner.wait_s=30", "learner.step_timeout_s=40")
+                  "learner.wait_s=15", "learner.step_timeout_s=20")
 
     def ranks_after(restarts: int, steps: int) -> tuple[int, int]:
         """(rank 0's pid, rank 1's) once `restarts` restarts are done and `steps` steps recorded."""
@@ -330,7 +330,7 @@ def test_a_learner_rank_that_dies_or_hangs_restarts_every_rank(tmp_path, tiny_ac
         metrics, summary = _finish(tmp_path, name, proc)
     log = proc.log_path.read_text()
     assert "restart 3 of learner.max_restarts=3" in log, log[-3000:]
-    assert "the step ran past learner.step_timeout_s=40 on ranks" in log
+    assert "the step ran past learner.step_timeout_s=20 on ranks" in log
     assert (summary["learner_restarts"], summary["learner_hangs"]) == (3, 1)
     assert not Path(f"/proc/{stopped}").exists() or b"Z" in Path(f"/proc/{stopped}/stat").read_bytes()[:60]
     assert [m["step"] for m in metrics][-1] == 25 and summary["lost"] == 0
@@ -451,7 +451,7 @@ def test_a_generator_whose_engine_core_stops_is_replaced_and_the_last_to_die_end
     cannot come does not hold the shutdown for learner.wait_s."""
     name = "stall"
     proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "generator.engine_core_process=true",
-                  "generator.stall_s=15", "generator.max_restarts=1", "learner.wait_s=600")
+                  "generator.stall_s=8", "generator.max_restarts=1", "learner.wait_s=600")
     with _interrupted_on_failure(proc):
         _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
         (gen,) = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))["generators"]
@@ -466,7 +466,7 @@ def test_a_generator_whose_engine_core_stops_is_replaced_and_the_last_to_die_end
         os.kill(new["pid"], signal.SIGKILL)
         assert proc.wait(300) == 1  # not learner.wait_s = 600 s later
     log = proc.log_path.read_text()
-    assert "(generator.stall_s=15)" in log and "Attempted to load weight" not in log  # float32 into bf16: cast
+    assert "(generator.stall_s=8)" in log and "Attempted to load weight" not in log  # float32 into bf16: cast
     metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((tmp_path / name / "summary.json").read_text())
     assert summary["generator_stalls"] == 1 and "no generator is running" in summary["error"]
