@@ -7,6 +7,7 @@ models.py        the policy, reference and critic every backend loads, and their
 deepspeed_backend.py  the DeepSpeed engines (policy, reference, critic), weight gather, checkpoints
 torch_backend.py the same on torch.optim.AdamW in one process (world size 1)
 learner.py       the loop: stream -> replay -> step -> ack -> version -> publish
+checkpoints.py   the `latest` file: which checkpoint a run resumes from (no torch: the launcher reads it)
 preference.py    learner.algorithm dpo and rs: the rows each batch trains and their loss
 
 Imports only async_rlhf.*; DeepSpeed and transformers are imported inside the backends.

@@ -25,8 +25,8 @@ from torch import nn
 
 from async_rlhf.config import LearnerConfig
 from async_rlhf.procs import RENDEZVOUS_KEY, free_port
-from learners.models import (DTYPES, HeldModels, adamw, autocast_dtype, default_device, load_models,
-                            mark_latest)
+from learners.checkpoints import mark_latest
+from learners.models import DTYPES, HeldModels, adamw, autocast_dtype, default_device, load_models
 
 
 def _import_deepspeed():

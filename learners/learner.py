@@ -59,13 +59,6 @@ _PPO_STATS = ("clip_frac", "ratio_mean", "bw_mean", "bw_capped_frac")  # token-w
 _KEEP_CHECKPOINTS = 2
 
 
-def checkpoint_version(ckpt_dir: str | os.PathLike) -> int:
-    """The policy version of the newest checkpoint in ckpt_dir (the backend's `latest` file holds
-    its tag, v<version>; see Learner.save_checkpoint), 0 if there is none."""
-    latest = Path(ckpt_dir) / "latest"
-    return int(latest.read_text().strip().removeprefix("v")) if latest.is_file() else 0
-
-
 class Learner:
     """One data-parallel rank of the learner (see module docstring for the split).
 

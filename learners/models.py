@@ -12,7 +12,6 @@ import copy
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,14 +26,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def default_device() -> str:
     """This rank's GPU (LOCAL_RANK) where CUDA is, else the CPU."""
     return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-
-
-def mark_latest(ckpt_dir: str | os.PathLike, tag: str) -> None:
-    """Name `tag` the checkpoint to resume from: ckpt_dir/latest, written whole, then renamed
-    into place. Call it once the whole checkpoint is on disk."""
-    latest = Path(ckpt_dir) / "latest"
-    latest.with_suffix(".tmp").write_text(tag)
-    os.replace(latest.with_suffix(".tmp"), latest)
 
 
 def autocast_dtype(mode: str, device: str, weights: torch.dtype) -> torch.dtype | None:

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from async_rlhf.config import LearnerConfig
-from learners.models import HeldModels, adamw, autocast_dtype, default_device, load_models, mark_latest
+from learners.checkpoints import mark_latest
+from learners.models import HeldModels, adamw, autocast_dtype, default_device, load_models
 
 _STATE = "state.pt"
 

@@ -202,6 +202,22 @@ def test_help_imports_no_command_module():
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_the_launchers_own_process_imports_no_torch(tmp_path):
+    """What `train` runs in its own process (the launcher, the roles it asks Ray for, its metrics
+    with TensorBoard, the checkpoint it resumes from) imports no torch: ~2 CPU-s taken from the
+    engines while they start."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom pathlib import Path\nfrom async_rlhf.launch import launcher, roles\n"
+            "from async_rlhf.launch.metrics import MetricsLog\nfrom learners.checkpoints import checkpoint_version\n"
+            f"MetricsLog(Path({str(tmp_path)!r}), 1).close()\ncheckpoint_version({str(tmp_path)!r})\n"
+            "print([m for m in ('torch', 'vllm', 'deepspeed', 'transformers') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

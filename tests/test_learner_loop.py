@@ -20,7 +20,7 @@ from async_rlhf.types import Group, Received
 from buffer.codec import decode
 from learners.advantages import grpo_advantages
 from learners.batch import Batch, token_staleness
-from learners.learner import checkpoint_version
+from learners.checkpoints import checkpoint_version
 from learners.losses import policy_loss
 from learners.models import has_dropout
 

@@ -10,6 +10,7 @@ import json
 import pickle
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from async_rlhf.launch.bench.report import summarise
 from async_rlhf.launch.metrics import MetricsLog, StepRecord
@@ -111,7 +112,9 @@ def test_a_job_record_reaches_metrics_jsonl_tensorboard_the_console_and_the_benc
     assert first["gen_totals"]["idle_s"] == 6.0 and "evals" not in first and "evals" in json.loads(lines[-1])
     assert [StepRecord.from_json(json.loads(line)) for line in lines] == rows
     assert {"loss", "time_wait", "count_samples", "samples_per_s", "gen_tokens_per_s", "kl"} <= set(rows[0].scalars())
-    assert any((tmp_path / "tensorboard").iterdir())
+    tb = EventAccumulator(str(tmp_path / "tensorboard"))
+    tb.Reload()
+    assert [(s.step, s.value) for s in tb.Scalars("loss")] == [(v, 0.25) for v in range(1, 5)]
     out = capsys.readouterr().out
     assert "step    1/4  reward 0.500  loss +0.2500  staleness max 1 mean 0.50  2.0 samples/s  sync 30 ms" in out
     assert "turns/episode" not in out  # completions

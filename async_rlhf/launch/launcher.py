@@ -215,7 +215,7 @@ class Job:
         as many worker processes at once as the machine has cores, in the order asked for: the
         generators' engine start, the job's critical path, goes first."""
         from async_rlhf.launch.roles import Coordinator
-        from learners.learner import checkpoint_version
+        from learners.checkpoints import checkpoint_version
 
         cfg = self.cfg
         self.start_version = checkpoint_version(self.out / "checkpoints") if self.resume else 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,25 +81,32 @@ class StepRecord:
 
 class MetricsLog:
     def __init__(self, out: Path, steps: int):
-        from torch.utils.tensorboard import SummaryWriter
+        # tensorboard's own event writer: torch.utils.tensorboard's SummaryWriter wraps it, and
+        # would import torch into the launcher while the engines start (~2 CPU-s)
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self.steps = steps  # the job's learner.steps, for the console line
-        self.tb = SummaryWriter(str(out / "tensorboard"))
+        self.tb = EventFileWriter(str(out / "tensorboard"))
         self.jsonl = (out / "metrics.jsonl").open("a")  # a resumed job appends
 
     def step(self, record: StepRecord) -> None:
         self.jsonl.write(json.dumps(record.to_json(), default=float) + "\n")
         self.jsonl.flush()
-        for key, value in record.scalars().items():
-            self.tb.add_scalar(key, value, record.metrics.version)
+        self._scalars(record.scalars(), record.metrics.version)
         print(record.console_line(self.steps), flush=True)
 
     def evaluation(self, e: EvalResult) -> None:
-        for key, value in e.scalars().items():
-            self.tb.add_scalar(key, value, e.policy_version)
+        self._scalars(e.scalars(), e.policy_version)
         extra = f"  reward_sampled {e.reward_sampled:.3f}  pass@{e.samples} {e.pass_at_k:.3f}" if e.samples else ""
         print(f"eval v{e.policy_version:>4}  reward {e.reward:.3f} (greedy, {e.prompts} held-out "
               f"prompts){extra}  {e.seconds:.1f} s", flush=True)
+
+    def _scalars(self, scalars: Mapping[str, float], step: int) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=key, simple_value=float(value)) for key, value in scalars.items()]
+        self.tb.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
 
     def close(self) -> None:
         self.jsonl.close()
