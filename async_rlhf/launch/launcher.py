@@ -431,13 +431,12 @@ class Job:
             self._tick()
         if time.monotonic() - self.last_tick >= TICK_S:  # fast steps: still watch each second
             self._tick()
-        results = self._rank_results(refs)
-        self.step_in_flight = None
-        return results[0]
+        return self._rank_results(refs)[0]  # in flight until its row is written (_record)
 
     def _record_step_in_flight(self) -> None:
-        """Interrupted during a learner step: the ranks finish it and the final checkpoint holds
-        it, so its row goes into metrics.jsonl too (a resumed job's rows then have no gap)."""
+        """Interrupted during a learner step or before its row was written: the ranks finish it
+        and the final checkpoint holds it, so its row goes into metrics.jsonl too (a resumed job's
+        rows then have no gap)."""
         if self.step_in_flight is None or self.metrics is None:
             return
         (refs, start), self.step_in_flight = self.step_in_flight, None
@@ -446,7 +445,8 @@ class Job:
         except Exception as e:  # noqa: BLE001 - e.g. a rank died: the checkpoint says where it stands
             log.warning("the learner step in flight at the interrupt failed: %s", e)
             return
-        self._record(metrics, time.perf_counter() - start)
+        if metrics.version > self.metrics.last_version:  # not written before the interrupt
+            self._record(metrics, time.perf_counter() - start)
 
     def _rank_results(self, refs: list) -> list:
         """The ranks' results; a rank's death raises _RankDied (only theirs: an actor error
@@ -570,6 +570,7 @@ class Job:
         self.metrics.step(StepRecord.of(m, time=time.time() - self.start_time, step_s=step_s,
                                         gen_stats=self.gen_stats.values(), generators=len(self.generators),
                                         evals=evals))
+        self.step_in_flight = None
 
     def _snapshot(self) -> JobSnapshot:
         m = self.last_metrics

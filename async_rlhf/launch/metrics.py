@@ -88,10 +88,12 @@ class MetricsLog:
         self.steps = steps  # the job's learner.steps, for the console line
         self.tb = EventFileWriter(str(out / "tensorboard"))
         self.jsonl = (out / "metrics.jsonl").open("a")  # a resumed job appends
+        self.last_version = -1  # of the newest row written
 
     def step(self, record: StepRecord) -> None:
         self.jsonl.write(json.dumps(record.to_json(), default=float) + "\n")
         self.jsonl.flush()
+        self.last_version = record.metrics.version
         self._scalars(record.scalars(), record.metrics.version)
         print(record.console_line(self.steps), flush=True)
 
