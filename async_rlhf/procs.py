@@ -64,6 +64,19 @@ def _ephemeral_start() -> int:
         return 32768  # Linux's default
 
 
+def interface_of(address: str) -> str:
+    """The name of this machine's network interface that holds `address` (for
+    GLOO_SOCKET_IFNAME: gloo otherwise binds the address the hostname resolves to, which may be
+    loopback, 127.0.0.1 here, and unreachable from other nodes)."""
+    import psutil  # a dependency of DeepSpeed and vLLM
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    raise ValueError(f"no network interface of this machine has the address {address}: "
+                     "start this node's Ray with --node-ip-address set to one of its own")
+
+
 def die_with_parent(cmd: list[str]) -> list[str]:
     """`cmd` wrapped so that it gets SIGTERM when this process dies, even by SIGKILL (Linux's
     parent-death signal, set in a tiny trampoline: preexec_fn is unsafe once threads exist).

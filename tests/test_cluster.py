@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from async_rlhf.launch import groups
 from async_rlhf.launch.cluster import (
     JobNotFoundError,
     connect,
@@ -172,6 +173,16 @@ def test_cluster_second_driver_and_worker_node(tmp_path):
         remote = Pinger.options(resources={"extra_node": 1}, num_cpus=0).remote()
         assert ray.get(remote.node_id.remote(), timeout=60) == node.node_id != head_node_id
         assert ray.get(pinger.node_id.remote()) == head_node_id
+
+        # The learner's ranks reserve all their cores at once, spread over the nodes; a second
+        # learner finds none left and is refused, naming what it asked for.
+        learner = groups.reserve(ray, [{"CPU": 1.0}] * 2, "SPREAD", "learner", wait_s=30)
+        placed = ray.util.placement_group_table(learner)["bundles_to_node_id"]
+        assert set(placed.values()) == {head_node_id, node.node_id}
+        with pytest.raises(ValueError, match=r"no room for learner-b: 2 x \{'CPU': 1.0\} \(SPREAD\) "
+                                             r"not reserved in 1 s; its nodes have \[\{'CPU': 1.0"):
+            groups.reserve(ray, [{"CPU": 1.0}] * 2, "SPREAD", "learner-b", wait_s=1)
+        groups.release(learner)
 
         all_pids = cluster.pids() | node.pids() | {os.getpid()}
         hosts = _listening_addresses(all_pids)

@@ -481,10 +481,11 @@ def _cli_result(tmp_path: Path, *args: str, timeout_s: float = 180) -> subproces
 
 def test_a_job_across_two_hosts_trains_grows_and_heals_on_the_second(tmp_path, tiny_actor_model,
                                                                      monkeypatch):
-    """Two hosts: this one (Ray head, launcher, Redis, learner) and a network namespace with an
-    address of its own (a Ray worker node with node_b, the generators). The job trains with its
-    weights sent over the veth, takes an add-generators request for node_b (and refuses one no
-    node can host), replaces the second host's killed generator there, and loses nothing."""
+    """Two hosts: this one (Ray head, launcher, Redis) and a network namespace with an address of
+    its own (a Ray worker node with node_b, the generators). The learner's two ranks spread over
+    both. The job trains with its gradients and weights sent over the veth, takes an
+    add-generators request for node_b (and refuses one no node can host), replaces the second
+    host's killed generator there, in its reserved place, and loses nothing."""
     from ray_nodes import NetnsUnavailable, second_host, start_head, start_node_in
 
     token = tmp_path / "ray_token"
@@ -498,23 +499,27 @@ def test_a_job_across_two_hosts_trains_grows_and_heals_on_the_second(tmp_path, t
             pair = stack.enter_context(second_host())
         except NetnsUnavailable as e:
             pytest.skip(f"no second host: {e} (needs root for `ip netns`)")
-        head, address = start_head(pair.head_ip, token, num_cpus=4)  # the learner's
+        head, address = start_head(pair.head_ip, token, num_cpus=4)
         stack.callback(head.stop)
-        stack.callback(start_node_in(pair, address, token, num_cpus=2, resources={"node_b": 2}).stop)
+        stack.callback(start_node_in(pair, address, token, num_cpus=3, resources={"node_b": 2}).stop)
         name = "twohosts"
         proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=100000", "max_staleness=1",
-                      "learner.lr=1e-3", "generator.resources={node_b: 1}", "--ray-address", address)
+                      "learner.lr=1e-3", "learner.ranks=2", "generator.resources={node_b: 1}",
+                      "--ray-address", address)
         stack.enter_context(_interrupted_on_failure(proc))
         log = proc.log_path
         _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 1, 300, "the first learner step")
         text = log.read_text()
         assert f"network: Redis at {pair.head_ip} (this node's address in the Ray cluster" in text
         assert f"generator gen-0 ready on {pair.node_ip}" in text
-        assert re.search(rf"weight-sync epoch \d+ at {re.escape(pair.head_ip)}:\d+: learner \+ \['gen-0'\]", text)
+        ranks = re.search(r"learner ready: 2 rank\(s\) on (\S+), (\S+)\n", text)
+        assert ranks and set(ranks.groups()) == {pair.head_ip, pair.node_ip}, text
+        rank0 = re.escape(ranks.group(1))  # the broadcaster is learner rank 0's
+        assert re.search(rf"weight-sync epoch \d+ at {rank0}:\d+: learner \+ \['gen-0'\]", text)
 
         refused = _cli_result(tmp_path, "add-generators", "--job", name, "--resources", '{"node_c": 1}')
         assert refused.returncode == 1, refused.stdout + refused.stderr
-        assert "refused: no node has {'CPU': 1.0, 'node_c': 1}" in refused.stdout
+        assert "refused: no node has {'CPU': 1.0, 'node_c': 1.0}" in refused.stdout
         added = _cli_result(tmp_path, "add-generators", "--job", name, "--resources", '{"node_b": 1}',
                             "--wait-s", "150")
         assert "ready gen-1" in added.stdout, added.stdout + added.stderr

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rlhf.config import Config, redact_url
-from async_rlhf.launch import cluster
+from async_rlhf.launch import cluster, groups
 from async_rlhf.launch.cli import add_config_arguments, config_from_args
 from async_rlhf.launch.metrics import MetricsLog, StepRecord
 from async_rlhf.launch.preflight import preflight
@@ -71,6 +71,7 @@ class Job:
         self.last_tick = 0.0
         self.starting: dict[str, tuple[Any, Any]] = {}  # generator id -> (handle, ready ref)
         self.placement: dict[str, dict[str, float]] = {}  # generator id -> Ray resources asked
+        self.groups: dict[str, Any] = {}  # "learner" or a generator id -> its placement group
         self.restarts = 0  # generators replaced so far (generator.max_restarts at most)
         self.stall_watch = StallWatch(cfg.generator.stall_s)
         self.stalls = 0  # generators lost for making no progress (generator.stall_s)
@@ -242,11 +243,16 @@ class Job:
         from async_rlhf.launch.roles import LearnerWorker
 
         ray, cfg = self.ray, self.cfg
+        gpu = bool(_gpu_count())
+        if "learner" not in self.groups:  # kept for restarts (groups.py)
+            bundle = {"CPU": float(cfg.learner.threads), **({"GPU": 1.0} if gpu else {})}
+            self.groups["learner"] = groups.reserve(ray, [bundle] * cfg.learner.ranks, "PACK" if gpu else "SPREAD",
+                                                    "learner", wait_s=groups.LEARNER_WAIT_S)
+        worker = ray.remote(LearnerWorker)
         # max_concurrency 2: open_epoch runs while a step waits for the samples it will bring
-        worker = ray.remote(LearnerWorker).options(num_cpus=cfg.learner.threads, max_concurrency=2,
-                                                   num_gpus=1 if _gpu_count() else 0)
-        self.learners = [worker.remote(cfg, rank, self.redis_url, resume)
-                         for rank in range(cfg.learner.ranks)]
+        self.learners = [worker.options(num_cpus=cfg.learner.threads, num_gpus=1 if gpu else 0, max_concurrency=2,
+                                        **groups.in_bundle(self.groups["learner"], rank)).remote(
+            cfg, rank, self.redis_url, resume) for rank in range(cfg.learner.ranks)]
         master = self.learners[0].master_address.remote()
         self.learner_starts = [learner.start.remote(master) for learner in self.learners]
 
@@ -255,12 +261,13 @@ class Job:
         is killed: a rank that did start would wait for the others in the final checkpoint, and
         that checkpoint must not replace the one the failed rank could not load."""
         try:
-            self.ray.get(self.learner_starts)
+            nodes = self.ray.get(self.learner_starts)
         except Exception:
             for learner in self.learners:
                 self.ray.kill(learner)
             self.learners = []
             raise
+        print(f"learner ready: {len(nodes)} rank(s) on {', '.join(nodes)}", flush=True)
         self.learner_pid = self.ray.get(self.learners[0].pid.remote())
         return self.ray.get(self.learners[0].get_version.remote())
 
@@ -294,23 +301,28 @@ class Job:
 
         if index is None:
             index, self.next_index = self.next_index, self.next_index + 1
-        self.placement[f"gen-{index}"] = resources
-        options = {"num_cpus": self.cfg.generator.threads, "max_concurrency": 4,
-                   "name": f"gen-{index}"}
-        if resources:
-            options["resources"] = resources
-        if _gpu_count():
-            options["num_gpus"] = self.cfg.generator.tensor_parallel
-        handle = self.ray.remote(GeneratorWorker).options(**options).remote(
-            self.cfg, index, self.redis_url, self.coordinator)
-        self.starting[f"gen-{index}"] = (handle, handle.__ray_ready__.remote())
-        print(f"generator gen-{index} starting{' on ' + json.dumps(resources) if resources else ''}")
-        return f"gen-{index}"
+        gid = f"gen-{index}"
+        self.placement[gid] = resources
+        need = self._generator_needs(resources)
+        if gid not in self.groups:  # a replacement takes the bundle of the one it replaces
+            self.groups[gid] = groups.reserve(self.ray, [need], "STRICT_PACK", gid)
+        handle = self.ray.remote(GeneratorWorker).options(
+            num_cpus=need.pop("CPU"), num_gpus=need.pop("GPU", 0), resources=need, max_concurrency=4,
+            name=gid, **groups.in_bundle(self.groups[gid])).remote(self.cfg, index, self.redis_url, self.coordinator)
+        self.starting[gid] = (handle, handle.__ray_ready__.remote())
+        print(f"generator {gid} starting{' on ' + json.dumps(resources) if resources else ''}")
+        return gid
+
+    def _generator_needs(self, resources: dict[str, float]) -> dict[str, float]:
+        """The Ray resources one generator takes: its threads, its engine's GPUs, `resources`."""
+        g = self.cfg.generator
+        return {"CPU": float(g.threads), **({"GPU": float(g.tensor_parallel)} if _gpu_count() else {}),
+                **{k: float(v) for k, v in resources.items()}}
 
     def _place(self, request_id: int, resources: dict[str, float]) -> None:
         """An add-generators request: start it if some node could ever host it, else refuse it
         at once, naming what it asked for and what the nodes have."""
-        need = {"CPU": float(self.cfg.generator.threads), **resources}
+        need = self._generator_needs(resources)
         nodes = [n["Resources"] for n in self.ray.nodes() if n["Alive"]]
         if not any(all(node.get(k, 0.0) >= v for k, v in need.items()) for node in nodes):
             state = (f"refused: no node has {need}; the nodes have {nodes} (start one with those "
@@ -345,6 +357,7 @@ class Job:
                 node = ray.get(handle.node_address.remote())
             except ray.exceptions.RayError as e:
                 print(f"generator {gid} failed to start: {e}", file=sys.stderr)
+                groups.release(self.groups.pop(gid))
                 if request_id is not None:
                     ray.get(self.coordinator.set_placement.remote(request_id, f"failed {gid}: {e}"))
                 continue
@@ -545,6 +558,7 @@ class Job:
         else:
             print(f"not restarting {gid}: generator.max_restarts={budget} restarts spent",
                   file=sys.stderr)
+            groups.release(self.groups.pop(gid))
 
     def _evaluations(self, version: int, last: bool) -> list[EvalResult]:
         """Held-out evaluations finished since the last step (at the last step, after that

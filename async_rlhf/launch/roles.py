@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from async_rlhf.config import Config
 from async_rlhf.messages import CoordinatorSnapshot, EvalResult, GeneratorStats, JobSnapshot, StepMetrics
-from async_rlhf.procs import RENDEZVOUS_KEY, WORKER_NICE, free_port, lower_priority, threads_of
+from async_rlhf.procs import (RENDEZVOUS_KEY, WORKER_NICE, free_port, interface_of, lower_priority,
+                              threads_of)
 from async_rlhf.staleness import StalenessGate, lagged_version
 
 if TYPE_CHECKING:  # torch: the coordinator's process needs none of it
@@ -367,17 +368,21 @@ class LearnerWorker:
         host = node_address()
         return host, free_port(host), secrets.token_hex(16)
 
-    def start(self, master: tuple[str, int, str]) -> None:
+    def start(self, master: tuple[str, int, str]) -> str:
         """Join the ranks at `master` and load the model (resumed from the newest checkpoint,
         or the initial weights if there is none); rank 0 also opens the weight broadcaster on
-        its node's address."""
+        its node's address. Returns this rank's node address."""
         from async_rlhf.weight_sync import WeightBroadcaster
 
         lower_priority(WORKER_NICE)  # the engines start first (procs.STARTUP_NICE)
         cfg, rank = self.cfg, self.rank
         host, port, key = master
+        here = node_address()
+        # gloo's ranks connect over the interface of this node's own address (ranks can span
+        # nodes; the hostname may resolve to loopback)
         os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(cfg.learner.ranks),
-                          MASTER_ADDR=host, MASTER_PORT=str(port), **{RENDEZVOUS_KEY: key})
+                          MASTER_ADDR=host, MASTER_PORT=str(port), **{RENDEZVOUS_KEY: key},
+                          GLOO_SOCKET_IFNAME=interface_of(here))
         import torch
 
         from buffer.redis_stream import RedisExperienceQueue
@@ -388,7 +393,7 @@ class LearnerWorker:
         torch.set_num_threads(cfg.learner.threads)
         backend = make_backend(cfg.learner, cfg.model.path, dtype=cfg.model.dtype,
                                temperature=cfg.generator.temperature, seed=cfg.seed)
-        self.broadcaster = WeightBroadcaster(host=node_address(), timeout_s=60) if rank == 0 else None
+        self.broadcaster = WeightBroadcaster(host=here, timeout_s=60) if rank == 0 else None
         self.learner = Learner(
             cfg.learner, backend, max_staleness=cfg.max_staleness, group_size=cfg.generator.group_size,
             queue=RedisExperienceQueue.from_config(cfg.queue, self.redis_url, consumer=f"learner-{rank}")
@@ -402,6 +407,7 @@ class LearnerWorker:
         if self.resume:
             self.learner.resume()
             self.learner.publish_weights()  # kept by the broadcaster for the first epoch
+        return here
 
     def get_version(self) -> int:
         return self.learner.version
