@@ -14,6 +14,8 @@ undo its data-parallel averaging: the summed gradient is then the full batch's, 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -71,6 +73,21 @@ def init_distributed(device: str) -> tuple[int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
+@contextlib.contextmanager
+def zero3_init(ds_config: dict[str, Any]) -> Iterator[None]:
+    """Hugging Face models built here (`from_pretrained`) are ZeRO-3 partitioned as they are
+    built (deepspeed.zero.Init, on the device), and their checkpoint is copied in one layer at a
+    time: no rank builds the whole model. Transformers finds the config through a weak
+    reference to its HfDeepSpeedConfig, as its Trainer sets it up."""
+    from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    held = HfDeepSpeedConfig(ds_config)  # noqa: F841 - alive while the models are built
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+
+
 class DeepSpeedBackend(HeldModels):
     """Policy (trained), frozen reference (when kl_coef > 0), critic (when advantage == 'gae').
 
@@ -105,7 +122,14 @@ class DeepSpeedBackend(HeldModels):
         torch.manual_seed(seed)
         self.dtype = DTYPES[dtype]
         self.autocast = autocast_dtype(cfg.mixed_precision, self.device, self.dtype)
-        models = load_models(cfg, policy, self.device, self.dtype)
+        # ZeRO-3 on GPU: built partitioned. Otherwise DeepSpeed moves each whole model onto every
+        # GPU before it partitions it (its engine's _configure_distributed_model). On CPU,
+        # transformers maps the checkpoint lazily and the ranks share its pages: built
+        # partitioned, a 271M model loaded slower and peaked higher there (design.md)
+        zero3_gpu = cfg.zero_stage == 3 and self.device != "cpu"
+        models = load_models(cfg, policy, self.device, self.dtype,
+                             sharded=functools.partial(zero3_init, self._ds_config()) if zero3_gpu
+                             else contextlib.nullcontext)
         self.model, self.reference = models.policy, models.reference
         self.engine, *_ = deepspeed.initialize(
             model=models.policy,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -93,10 +93,13 @@ class Models:
     critic: ValueModel | None  # float32, on the CPU (advantage == "gae")
 
 
-def load_models(cfg: LearnerConfig, policy: str | nn.Module, device: str, dtype: torch.dtype) -> Models:
+def load_models(cfg: LearnerConfig, policy: str | nn.Module, device: str, dtype: torch.dtype,
+                sharded: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Models:
     """The policy from an HF directory (or an already built causal LM: benchmarks, tests), a
     frozen copy as reference when learner.kl_coef > 0 or learner.algorithm is dpo, and a critic
-    when learner.advantage is gae (from learner.critic_init, else the policy directory)."""
+    when learner.advantage is gae (from learner.critic_init, else the policy directory). The
+    trained models (policy, critic) are built inside `sharded()` (ZeRO-3: partitioned as they
+    are built, deepspeed_backend.zero3_init); the reference outside it, whole."""
     from transformers import AutoModelForCausalLM
 
     attn = _attn_implementation(device, cfg.flash_attention, dtype)
@@ -106,7 +109,8 @@ def load_models(cfg: LearnerConfig, policy: str | nn.Module, device: str, dtype:
             return path_or_model
         return AutoModelForCausalLM.from_pretrained(path_or_model, dtype=torch.float32, attn_implementation=attn)
 
-    model = load(policy)
+    with sharded():
+        model = load(policy)
     model.config.use_cache = False
     reference = None  # replicated (not sharded) on every rank
     if cfg.kl_coef > 0 or cfg.algorithm == "dpo":
@@ -120,7 +124,8 @@ def load_models(cfg: LearnerConfig, policy: str | nn.Module, device: str, dtype:
                 "advantage=gae needs a critic: set learner.critic_init to a reward-model "
                 "directory, or give the policy as a directory"
             )
-        critic = ValueModel(path, torch.float32, attn)
+        with sharded():
+            critic = ValueModel(path, torch.float32, attn)
     return Models(model, reference, critic)
 
 

@@ -1,5 +1,5 @@
 """The GPU paths, chosen by device with the same code shape as the CPU ones: NCCL weight
-broadcast and flash-attention 2 in the learner. Marked `gpu`: skipped on a machine without CUDA
+broadcast, flash-attention 2 and ZeRO-3 in the learner. Marked `gpu`: skipped on a machine without CUDA
 (tests/conftest.py), run as they are where one is lent."""
 
 import math
@@ -96,3 +96,32 @@ def test_bf16_learner_uses_flash_attention_and_trains(tiny_actor_model):
     backend.backward(-logp.float().mean())
     assert math.isfinite(backend.step())
     assert any(not torch.equal(a, b) for a, b in zip(before, backend.engine.module.parameters()))
+
+
+def test_zero3_builds_partitioned_trains_in_bf16_and_gathers_zero0s_weights(tiny_actor_model, monkeypatch):
+    """ZeRO-3 on a GPU: the policy is built partitioned (never whole on the GPU), a bf16-autocast
+    step trains it, and before that step its gathered weights are ZeRO-0's, name for name."""
+    import dataclasses
+
+    import learners.deepspeed_backend as ds_backend
+
+    partitioned = []
+    load_models = ds_backend.load_models
+
+    def recorded(*args, **kwargs):
+        models = load_models(*args, **kwargs)
+        partitioned.append(all(hasattr(p, "ds_tensor") and p.numel() == 0 for p in models.policy.parameters()))
+        return models
+
+    monkeypatch.setattr(ds_backend, "load_models", recorded)
+    cfg = LearnerConfig(batch_size=4, micro_batch=4, lr=1e-3, zero_stage=3)
+    zero3 = ds_backend.DeepSpeedBackend(cfg, str(tiny_actor_model))
+    zero0 = ds_backend.DeepSpeedBackend(dataclasses.replace(cfg, zero_stage=0), str(tiny_actor_model))
+    assert partitioned == [True, False] and zero3.autocast == torch.bfloat16
+    gathered, whole = zero3.full_state_dict(), zero0.full_state_dict()
+    assert list(gathered) == list(whole) and all(torch.equal(gathered[k], whole[k]) for k in whole)
+    ids = torch.randint(4, 50, (4, 12), device=zero3.device)
+    logp, _ = zero3.logprobs(ids, torch.ones_like(ids), torch.arange(5, 11, device=zero3.device).expand(4, -1))
+    zero3.backward(-logp.float().mean())
+    assert math.isfinite(zero3.step())
+    assert any(not torch.equal(gathered[k], v) for k, v in zero3.full_state_dict().items())

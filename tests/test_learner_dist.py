@@ -209,6 +209,22 @@ def test_ranks_agree_to_skip_a_step_only_one_rank_found_non_finite(tiny_learner_
                           "next_finite": True, "next_moved": True}, rank
 
 
+def test_zero3_init_builds_the_trained_models_partitioned_and_loads_them_whole(tiny_learner_model, tmp_path):
+    """The ZeRO-3 loading the backend uses on GPU (deepspeed_backend.zero3_init), on two gloo
+    ranks, with a reference and a critic: the policy and the critic come out of loading already
+    partitioned (each rank holds half of every parameter, none the whole model), the reference
+    whole; gathered, the policy is the checkpoint on disk."""
+    spec = dict(mode="load", model=tiny_learner_model, out=str(tmp_path), zero_stage=3)
+    assert run_ranks(spec, 2) == [0, 0]
+    for rank in (0, 1):
+        built = json.loads((tmp_path / f"built-{rank}.json").read_text())
+        for part in ("policy", "critic"):
+            params, partitioned, held, total = built[part]
+            assert partitioned == params > 0, (rank, part, built)
+            assert total / 2 <= held <= total / 2 + params, (rank, part, built)  # 1/2, padded
+        assert built["reference_whole"] and built["policy_equals_disk"], built
+
+
 # ---- worker ----------------------------------------------------------------------------------
 def _worker(spec: dict) -> None:
     import redis
@@ -232,6 +248,8 @@ def _worker(spec: dict) -> None:
     backend = DeepSpeedBackend(cfg, spec["model"])
     rank0 = backend.rank == 0
     mode = spec["mode"]
+    if mode == "load":
+        return _report_zero3_loading(backend, spec["model"], out)
 
     class Publisher:
         def publish(self, named, version):
@@ -289,6 +307,39 @@ def _worker(spec: dict) -> None:
         learner.train(steps=1)
         report.update(version=learner.version, counters=dict(learner.counters))
         (out / "resume.json").write_text(json.dumps(report))
+
+
+def _report_zero3_loading(backend, model_dir: str, out: Path) -> None:
+    """Load the policy, a reference and a critic as the backend does on GPU, and report the
+    partitions of the policy and the critic, whether the reference is whole, and whether the
+    gathered policy is the checkpoint on disk."""
+    import dataclasses
+    import functools
+
+    import deepspeed
+    from safetensors.torch import load_file
+
+    from learners.deepspeed_backend import zero3_init
+    from learners.models import load_models
+
+    cfg = dataclasses.replace(backend.cfg, kl_coef=0.1, advantage="gae")
+    models = load_models(cfg, model_dir, "cpu", torch.float32,
+                         sharded=functools.partial(zero3_init, backend._ds_config()))
+    report = {"policy": _partitions(models.policy), "critic": _partitions(models.critic),
+              "reference_whole": all(p.numel() > 0 for p in models.reference.parameters())}
+    disk = load_file(str(Path(model_dir) / "model.safetensors"))
+    params = dict(models.policy.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        report["policy_equals_disk"] = all(torch.equal(params[k].data, disk[k]) for k in disk)
+    (out / f"built-{backend.rank}.json").write_text(json.dumps(report))
+
+
+def _partitions(module) -> tuple[int, int, int, int]:
+    """Its parameters; how many are ZeRO-3 partitions (an empty placeholder with a shard); the
+    elements this rank holds of them; the elements of the whole."""
+    params = list(module.parameters())
+    shards = [p for p in params if hasattr(p, "ds_tensor") and p.numel() == 0]
+    return len(params), len(shards), sum(p.ds_tensor.numel() for p in shards), sum(p.ds_numel for p in shards)
 
 
 def _skip_then_train(learner, groups, out: Path) -> None:
