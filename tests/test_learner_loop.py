@@ -85,6 +85,31 @@ def test_mixed_precision_computes_in_bf16_and_keeps_float32_weights(make_learner
     assert states and {s["exp_avg"].dtype for s in states} == {torch.float32}
 
 
+def test_short_rows_attend_with_the_math_kernel_to_the_flash_kernels_log_probs_and_gradients(make_learner,
+                                                                                             monkeypatch):
+    """Rows up to MATH_ATTENTION_TOKENS long run SDPA's math kernel on CPU (faster there for
+    short rows): log-probs and gradients agree with the flash kernel's, in float32."""
+    import learners.models as models
+
+    learner, _, _ = make_learner(mixed_precision="fp32")
+    be = learner.backend
+    batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(random_groups(2, vocab=VOCAB, seed=4))])
+    assert batch.input_ids.shape[1] <= models.MATH_ATTENTION_TOKENS
+    results = []
+    for limit in (models.MATH_ATTENTION_TOKENS, 0):  # the math kernel, then the flash one
+        monkeypatch.setattr(models, "MATH_ATTENTION_TOKENS", limit)
+        with torch.profiler.profile() as prof:
+            logp = be.logprobs(batch.input_ids, batch.attention_mask, batch.positions)[0]
+        flash = any("flash_attention" in e.name for e in prof.events())
+        grads = torch.autograd.grad((logp * batch.mask).sum(), list(be.model.parameters()))
+        results.append((flash, logp.detach(), grads))
+    (math_flash, math_logp, math_grads), (flash, flash_logp, flash_grads) = results
+    assert not math_flash and flash
+    assert torch.allclose(math_logp, flash_logp, atol=1e-5)
+    for a, b in zip(math_grads, flash_grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), float((a - b).abs().max())
+
+
 def test_micro_batches_of_like_length_trimmed_of_padding_give_the_whole_batch_gradient(make_learner):
     """The learner sorts a rank's rows by length and cuts each micro-batch to its longest row
     (Batch.trimmed): in float32 the summed gradient is that of the whole padded batch's loss."""
