@@ -67,7 +67,8 @@ def ray_env(token_path: Path) -> dict[str, str]:
     # On SIGTERM a node first waits up to 30 s for a drain meant for Ray Serve on Kubernetes
     # (it hung the whole 30 s with a detached actor alive); nothing here needs it.
     env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
-    # gloo (learner ranks, weight broadcast) otherwise picks the interface of the hostname
+    # gloo groups that bind no address of their own (vLLM's) otherwise take the hostname's
+    # interface; the learner ranks and the weight broadcast bind their node's address
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env["RAY_worker_niceness"] = str(STARTUP_NICE)  # each role lowers itself once it is up
     return env

@@ -23,11 +23,11 @@ LEARNER_WAIT_S = 120.0  # for the learner's resources: an autoscaling cluster ma
 def reserve(ray, bundles: list[dict[str, float]], strategy: str, name: str, *, wait_s: float | None = None):
     """A placement group of `bundles` (Ray resource dicts). With `wait_s`, wait that long for
     Ray to reserve it, then raise a ValueError naming the bundles and the free resources."""
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group
 
     group = placement_group(bundles, strategy=strategy, name=name)
     if wait_s is not None and not group.wait(wait_s):
-        remove_placement_group(group)
+        release(group)
         free = [{k: v for k, v in n["Resources"].items() if "memory" not in k and not k.startswith("node:")}
                 for n in ray.nodes() if n["Alive"]]
         raise ValueError(f"the cluster has no room for {name}: {len(bundles)} x {bundles[0]} ({strategy}) "
