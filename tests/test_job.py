@@ -342,11 +342,16 @@ def _processes_below(root: int, title: bytes) -> list[int]:
     """The processes below `root` whose command line starts with `title` (Ray titles an actor's
     process ray::<class>, vLLM its engine core VLLM::EngineCore; a job's own Ray head runs below
     its `train`)."""
-    titles = {}
+    return [pid for pid, cmdline in _cmdlines_below(root).items() if cmdline.startswith(title)]
+
+
+def _cmdlines_below(root: int) -> dict[int, bytes]:
+    """The command lines of the processes below `root`."""
+    lines = {}
     for pid in descendants(root):
         with contextlib.suppress(OSError):
-            titles[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()
-    return [pid for pid, cmdline in titles.items() if cmdline.startswith(title)]
+            lines[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()
+    return lines
 
 
 def _nices(pid: int) -> set[int]:
@@ -455,7 +460,9 @@ def test_a_generator_whose_engine_core_stops_is_replaced_and_the_last_to_die_end
     with _interrupted_on_failure(proc):
         _wait_for(proc, lambda: _steps_done(tmp_path, name) >= 2, 300, "two learner steps")
         (gen,) = json.loads(_cli(tmp_path, "status", "--job", name, "--json"))["generators"]
-        (core,) = _processes_below(gen["pid"], b"VLLM::EngineCore")
+        # its title is set once the process runs (seen missing once in a full run: polled)
+        (core,) = _wait_for(proc, lambda: _processes_below(gen["pid"], b"VLLM::EngineCore"), 60,
+                            f"the engine core process below {gen['pid']}: {_cmdlines_below(gen['pid'])}")
         os.kill(core, signal.SIGSTOP)
         _wait_for(proc, lambda: "stalled: no engine step or weight load for" in proc.log_path.read_text(), 120,
                   "the launcher to find the generator stalled")

@@ -107,9 +107,20 @@ def one_rank_weights(tiny_learner_model, redis_server, tmp_path_factory):
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_ranks_match_one_rank(tiny_learner_model, one_rank_weights, redis_server, stream_name, tmp_path,
                                   zero_stage):
+    """Two ranks train what one does. At ZeRO-3 the ranks then also load as the backend does on
+    GPU (deepspeed_backend.zero3_init), with a reference and a critic: the policy and the critic
+    come out of loading already partitioned (each rank holds half of every parameter, none the
+    whole model), the reference whole; gathered, the policy is the checkpoint on disk."""
     spec = dict(mode="train", model=tiny_learner_model, out=str(tmp_path), zero_stage=zero_stage,
                 redis_url=redis_server.url, stream=stream_name)
     assert run_ranks(spec, 2) == [0, 0]
+    for rank in (0, 1) if zero_stage == 3 else ():
+        built = json.loads((tmp_path / f"built-{rank}.json").read_text())
+        for part in ("policy", "critic"):
+            params, partitioned, held, total = built[part]
+            assert partitioned == params > 0, (rank, part, built)
+            assert total / 2 <= held <= total / 2 + params, (rank, part, built)  # 1/2, padded
+        assert built["reference_whole"] and built["policy_equals_disk"], built
     one, one_metrics = one_rank_weights
     two = torch.load(tmp_path / "weights.pt")
     initial = torch.load(tmp_path / "initial.pt")
@@ -209,22 +220,6 @@ def test_ranks_agree_to_skip_a_step_only_one_rank_found_non_finite(tiny_learner_
                           "next_finite": True, "next_moved": True}, rank
 
 
-def test_zero3_init_builds_the_trained_models_partitioned_and_loads_them_whole(tiny_learner_model, tmp_path):
-    """The ZeRO-3 loading the backend uses on GPU (deepspeed_backend.zero3_init), on two gloo
-    ranks, with a reference and a critic: the policy and the critic come out of loading already
-    partitioned (each rank holds half of every parameter, none the whole model), the reference
-    whole; gathered, the policy is the checkpoint on disk."""
-    spec = dict(mode="load", model=tiny_learner_model, out=str(tmp_path), zero_stage=3)
-    assert run_ranks(spec, 2) == [0, 0]
-    for rank in (0, 1):
-        built = json.loads((tmp_path / f"built-{rank}.json").read_text())
-        for part in ("policy", "critic"):
-            params, partitioned, held, total = built[part]
-            assert partitioned == params > 0, (rank, part, built)
-            assert total / 2 <= held <= total / 2 + params, (rank, part, built)  # 1/2, padded
-        assert built["reference_whole"] and built["policy_equals_disk"], built
-
-
 # ---- worker ----------------------------------------------------------------------------------
 def _worker(spec: dict) -> None:
     import redis
@@ -248,9 +243,6 @@ def _worker(spec: dict) -> None:
     backend = DeepSpeedBackend(cfg, spec["model"])
     rank0 = backend.rank == 0
     mode = spec["mode"]
-    if mode == "load":
-        return _report_zero3_loading(backend, spec["model"], out)
-
     class Publisher:
         def publish(self, named, version):
             weights = {k: v.clone() for k, v in named}
@@ -279,6 +271,8 @@ def _worker(spec: dict) -> None:
             keep = ("loss", "loss_policy", "entropy", "grad_norm", "tokens") + (("bw_mean",) if algorithm == "ppo" else ())
             (out / "metrics.json").write_text(json.dumps([{**{k: getattr(m, k) for k in keep}, **m.extra}
                                                           for m in history]))
+        if cfg.zero_stage == 3:
+            _report_zero3_loading(backend, spec["model"], out)
     elif mode == "crash":
         learner.train(steps=3)
         (out / "crash.json").write_text(json.dumps({"version": learner.version,
