@@ -31,10 +31,10 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from async_rlhf.config import Config
-from async_rlhf.messages import GeneratorStats
+from async_rlhf.messages import GeneratorStats, SyncAddress
 from async_rlhf.protocols import AdmissionGate, ExperienceQueue
 from async_rlhf.types import Group, Trajectory
-from async_rlhf.weight_sync import SyncAddress, UpdateMeta
+from async_rlhf.weight_sync import UpdateMeta
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What the parts report, one frozen dataclass per message: a learner step's metrics, a held-out
 evaluation, a generator's stats, the running job's snapshot (`async-rlhf status`) and the job's
-summary with the accounting of every group. They cross Ray as they are (pickled); on disk they
+summary with the accounting of every group; and where a weight-sync epoch meets. They cross Ray as they are (pickled); on disk they
 are flat JSON (`to_json` / `from_json`): OUT/metrics.jsonl rows, OUT/summary.json, `status
 --json`, whose keys (and TensorBoard's tags) stay what users' dashboards read. Readers use the
 fields, so a renamed one fails where it is read, in the fast tests (tests/test_messages.py), not
@@ -19,6 +19,20 @@ def _field_sums(cls, items: Iterable[Any]):
     """A `cls` whose every field is the sum of that attribute over `items`."""
     items = list(items)
     return cls(**{f.name: sum(getattr(i, f.name) for i in items) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class SyncAddress:
+    """Where the members of one weight-sync epoch meet (async_rlhf/weight_sync.py). It lives
+    here, free of torch, because the launcher receives it from the learner and passes it on."""
+
+    host: str
+    port: int
+    epoch: int
+    world_size: int  # the learner + every receiving rank
+    backend: str  # "gloo" or "nccl"
+    key: str  # the epoch's secret: the group's store prefix, which only its members know
+    timeout_s: float = 60.0  # formation and each collective
 
 
 @dataclass(frozen=True)

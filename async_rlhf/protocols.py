@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:  # hints only: `status` and `--help` must not pay for importing torch
     import torch
 
-    from async_rlhf.weight_sync import SyncAddress as WeightSyncAddress
+    from async_rlhf.messages import SyncAddress as WeightSyncAddress
     from async_rlhf.weight_sync import UpdateMeta
 
 from async_rlhf.types import Group, Prompt, Received, Sample, TrajectoryError

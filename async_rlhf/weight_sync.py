@@ -47,6 +47,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from async_rlhf.messages import SyncAddress
 from async_rlhf.procs import LOOPBACK
 
 log = logging.getLogger(__name__)
@@ -58,19 +59,6 @@ Param = tuple[str, str, list[int]]  # name, dtype (str(torch.dtype)), shape
 # (blocking wait) and only cleans up the communicator; the default error handling (3) tears the
 # whole process down, so a dead generator would take learner rank 0 with it.
 _NCCL_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-
-
-@dataclass(frozen=True)
-class SyncAddress:
-    """Where the members of one epoch meet."""
-
-    host: str
-    port: int
-    epoch: int
-    world_size: int  # the learner + every receiving rank
-    backend: str  # "gloo" or "nccl"
-    key: str  # the epoch's secret: the group's store prefix, which only its members know
-    timeout_s: float = 60.0  # formation and each collective
 
 
 @dataclass(frozen=True)

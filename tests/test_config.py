@@ -204,14 +204,20 @@ def test_help_imports_no_command_module():
 
 def test_the_launchers_own_process_imports_no_torch(tmp_path):
     """What `train` runs in its own process (the launcher, the roles it asks Ray for, its metrics
-    with TensorBoard, the checkpoint it resumes from) imports no torch: ~2 CPU-s taken from the
-    engines while they start."""
+    with TensorBoard, the checkpoint it resumes from, the weight-sync address the learner hands it
+    to pass on) imports no torch: ~1.5 CPU-s taken from the engines while they start, and the
+    first learner step waits on it."""
+    import pickle
     import subprocess
     import sys
 
-    code = ("import sys\nfrom pathlib import Path\nfrom async_rlhf.launch import launcher, roles\n"
+    from async_rlhf import weight_sync
+
+    address = pickle.dumps(weight_sync.SyncAddress("127.0.0.1", 1, epoch=1, world_size=2, backend="gloo", key="k"))
+    code = ("import pickle, sys\nfrom pathlib import Path\nfrom async_rlhf.launch import launcher, roles\n"
             "from async_rlhf.launch.metrics import MetricsLog\nfrom learners.checkpoints import checkpoint_version\n"
             f"MetricsLog(Path({str(tmp_path)!r}), 1).close()\ncheckpoint_version({str(tmp_path)!r})\n"
+            f"pickle.loads(bytes.fromhex({address.hex()!r}))\n"
             "print([m for m in ('torch', 'vllm', 'deepspeed', 'transformers') if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

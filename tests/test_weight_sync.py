@@ -243,7 +243,8 @@ def test_an_update_that_overtakes_its_members_join_waits_for_it(monkeypatch):
     import time
 
     from async_rlhf import weight_sync
-    from async_rlhf.weight_sync import StagedReceiver, SyncAddress, WeightUpdate
+    from async_rlhf.messages import SyncAddress
+    from async_rlhf.weight_sync import StagedReceiver, WeightUpdate
 
     class Forming:  # a WeightReceiver whose group takes 0.3 s to form
         def __init__(self, address, rank, host):

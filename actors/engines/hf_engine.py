@@ -29,9 +29,10 @@ import numpy as np
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from async_rlhf.messages import SyncAddress
 from async_rlhf.procs import LOOPBACK
 from async_rlhf.types import Prompt, Sample, VersionSpans
-from async_rlhf.weight_sync import StagedReceiver, SyncAddress, UpdateMeta
+from async_rlhf.weight_sync import StagedReceiver, UpdateMeta
 
 
 def _before_stop(text: str, stop: Sequence[str]) -> str | None:

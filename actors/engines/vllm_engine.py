@@ -62,9 +62,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from async_rlhf.messages import SyncAddress
 from async_rlhf.procs import LOOPBACK
 from async_rlhf.types import Prompt, Sample
-from async_rlhf.weight_sync import StagedReceiver, SyncAddress, UpdateMeta
+from async_rlhf.weight_sync import StagedReceiver, UpdateMeta
 
 def _inspect_models_in_this_process() -> None:
     """vLLM inspects a model class once per machine (then ~/.cache/vllm/modelinfos has it) in a

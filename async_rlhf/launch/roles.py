@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from async_rlhf.config import Config
-from async_rlhf.messages import CoordinatorSnapshot, EvalResult, GeneratorStats, JobSnapshot, StepMetrics
+from async_rlhf.messages import (CoordinatorSnapshot, EvalResult, GeneratorStats, JobSnapshot, StepMetrics,
+                                 SyncAddress)
 from async_rlhf.procs import (RENDEZVOUS_KEY, WORKER_NICE, free_port, interface_of, lower_priority,
                               threads_of)
 from async_rlhf.staleness import StalenessGate, lagged_version
 
 if TYPE_CHECKING:  # torch: the coordinator's process needs none of it
-    from async_rlhf.weight_sync import SyncAddress, UpdateMeta
+    from async_rlhf.weight_sync import UpdateMeta
 
 log = logging.getLogger(__name__)
 
