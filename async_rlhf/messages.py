@@ -1,10 +1,11 @@
 """What the parts report, one frozen dataclass per message: a learner step's metrics, a held-out
 evaluation, a generator's stats, the running job's snapshot (`async-rlhf status`) and the job's
-summary with the accounting of every group; and where a weight-sync epoch meets. They cross Ray as they are (pickled); on disk they
-are flat JSON (`to_json` / `from_json`): OUT/metrics.jsonl rows, OUT/summary.json, `status
---json`, whose keys (and TensorBoard's tags) stay what users' dashboards read. Readers use the
-fields, so a renamed one fails where it is read, in the fast tests (tests/test_messages.py), not
-at the end of a long run. An `extra` or counter mapping holds what is open-ended (stats that
+summary with the accounting of every group; also where a weight-sync epoch meets. They cross Ray
+as they are (pickled), and none of them imports torch (the launcher unpickles them). On disk the
+reports are flat JSON (`to_json` / `from_json`): OUT/metrics.jsonl rows, OUT/summary.json,
+`status --json`, whose keys (and TensorBoard's tags) stay what users' dashboards read. Readers use
+the fields, so a renamed one fails where it is read, in the fast tests (tests/test_messages.py),
+not at the end of a long run. An `extra` or counter mapping holds what is open-ended (stats that
 only some configs have, counts by reason)."""
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ def _field_sums(cls, items: Iterable[Any]):
 
 @dataclass(frozen=True)
 class SyncAddress:
-    """Where the members of one weight-sync epoch meet (async_rlhf/weight_sync.py). It lives
-    here, free of torch, because the launcher receives it from the learner and passes it on."""
+    """Where the members of one weight-sync epoch meet (async_rlhf/weight_sync.py); the launcher
+    receives it from the learner and passes it on to the generators."""
 
     host: str
     port: int

@@ -213,7 +213,9 @@ def test_the_launchers_own_process_imports_no_torch(tmp_path):
 
     from async_rlhf import weight_sync
 
-    address = pickle.dumps(weight_sync.SyncAddress("127.0.0.1", 1, epoch=1, world_size=2, backend="gloo", key="k"))
+    # pickled as the learner's open_epoch returns it
+    address = pickle.dumps(weight_sync.SyncAddress("127.0.0.1", 1, epoch=1, world_size=2, backend="gloo",
+                                                   key="k"))
     code = ("import pickle, sys\nfrom pathlib import Path\nfrom async_rlhf.launch import launcher, roles\n"
             "from async_rlhf.launch.metrics import MetricsLog\nfrom learners.checkpoints import checkpoint_version\n"
             f"MetricsLog(Path({str(tmp_path)!r}), 1).close()\ncheckpoint_version({str(tmp_path)!r})\n"
