@@ -3,6 +3,7 @@
 Also the job registry (no Ray).
 """
 
+import ast
 import json
 import os
 import shutil
@@ -180,8 +181,10 @@ def test_cluster_second_driver_and_worker_node(tmp_path):
         placed = ray.util.placement_group_table(learner)["bundles_to_node_id"]
         assert set(placed.values()) == {head_node_id, node.node_id}
         with pytest.raises(ValueError, match=r"no room for learner-b: 2 x \{'CPU': 1.0\} \(SPREAD\) "
-                                             r"not reserved in 1 s; its nodes have \[\{'CPU': 1.0"):
+                                             r"not reserved in 1 s; its nodes have \[") as refused:
             groups.reserve(ray, [{"CPU": 1.0}] * 2, "SPREAD", "learner-b", wait_s=1)
+        nodes = ast.literal_eval(str(refused.value).split("its nodes have ")[1].split(" in all")[0])
+        assert sorted(nodes, key=len) == [{"CPU": 1.0}, {"CPU": 1.0, "extra_node": 1.0}]  # in Ray's order
         groups.release(learner)
 
         all_pids = cluster.pids() | node.pids() | {os.getpid()}
