@@ -104,13 +104,14 @@ def one_rank_weights(tiny_learner_model, redis_server, tmp_path_factory):
     return torch.load(out / "weights.pt"), json.loads((out / "metrics.json").read_text())
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
 def test_two_ranks_match_one_rank(tiny_learner_model, one_rank_weights, redis_server, stream_name, tmp_path,
                                   zero_stage):
-    """Two ranks train what one does. At ZeRO-3 the ranks then also load as the backend does on
-    GPU (deepspeed_backend.zero3_init), with a reference and a critic: the policy and the critic
-    come out of loading already partitioned (each rank holds half of every parameter, none the
-    whole model), the reference whole; gathered, the policy is the checkpoint on disk."""
+    """Two ranks train what one does, at ZeRO-0 (the default) as at the partitioned stages. At
+    ZeRO-3 the ranks then also load as the backend does on GPU (deepspeed_backend.zero3_init),
+    with a reference and a critic: the policy and the critic come out of loading already
+    partitioned (each rank holds half of every parameter, none the whole model), the reference
+    whole; gathered, the policy is the checkpoint on disk."""
     spec = dict(mode="train", model=tiny_learner_model, out=str(tmp_path), zero_stage=zero_stage,
                 redis_url=redis_server.url, stream=stream_name)
     assert run_ranks(spec, 2) == [0, 0]
