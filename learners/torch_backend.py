@@ -2,9 +2,10 @@
 
 No process group and no DeepSpeed: world size 1, float32 weights (forward passes under bf16
 autocast per learner.mixed_precision), on the GPU where CUDA is and the CPU otherwise; the
-learner loop's tests run on it in seconds. Its steps are DeepSpeed ZeRO-0's on one rank: the micro-batches' loss shares' gradients summed (no division by the accumulation
-count), clipped to learner.grad_clip, one AdamW step per learner.batch_size / learner.minibatches
-samples, and a non-finite gradient norm drops the step.
+learner loop's tests run on it in seconds. Its steps are DeepSpeed ZeRO-0's on one rank: the
+micro-batches' loss shares' gradients summed (no division by the accumulation count), clipped to
+learner.grad_clip, one AdamW step per learner.batch_size / learner.minibatches samples, and a
+non-finite gradient norm drops the step.
 """
 
 from __future__ import annotations
