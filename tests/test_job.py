@@ -303,10 +303,11 @@ def test_a_learner_rank_that_dies_or_hangs_restarts_every_rank(tmp_path, tiny_ac
     """Two DeepSpeed ZeRO-2 ranks, three faults in one job, each healed by restarting both ranks
     from the newest checkpoint: rank 1 SIGKILLed (rank 0's collective with it fails first, as a
     task error, not an actor's death); the new rank 1 SIGSTOPped (rank 0 hangs in a collective
-    with it until the step passes learner.step_timeout_s); then rank 0 SIGKILLed. The job trains
-    every step and loses no group."""
-    name = "ranks"
-    proc = _train(tmp_path, tiny_actor_model, name, "learner.steps=25", "max_staleness=1",
+    with it until the step passes learner.step_timeout_s); then rank 0 SIGKILLed in the final
+    checkpoint, which is written again. The job trains every step, exports the policy and loses
+    no group."""
+    name, steps = "ranks", 27  # the final checkpoint, v27, is the only one written at the end
+    proc = _train(tmp_path, tiny_actor_model, name, f"learner.steps={steps}", "max_staleness=1",
                   "learner.checkpoint_every=5", "learner.ranks=2", "learner.zero_stage=2",
                   "learner.wait_s=15", "learner.step_timeout_s=20")
 
@@ -326,14 +327,20 @@ def test_a_learner_rank_that_dies_or_hangs_restarts_every_rank(tmp_path, tiny_ac
         os.kill(ranks_after(0, 7)[1], signal.SIGKILL)  # after the checkpoint at step 5
         stopped = ranks_after(1, 12)[1]
         os.kill(stopped, signal.SIGSTOP)
-        os.kill(ranks_after(2, 17)[0], signal.SIGKILL)
+        rank0 = ranks_after(2, 12)[0]
+        final = tmp_path / name / "checkpoints" / f"v{steps}"
+        while not final.exists():  # polled closely: the tiny model's checkpoint takes well under 1 s
+            assert proc.poll() is None, "the job ended before its final checkpoint"
+            time.sleep(0.01)
+        os.kill(rank0, signal.SIGKILL)
         metrics, summary = _finish(tmp_path, name, proc)
     log = proc.log_path.read_text()
     assert "restart 3 of learner.max_restarts=3" in log, log[-3000:]
     assert "the step ran past learner.step_timeout_s=20 on ranks" in log
     assert (summary["learner_restarts"], summary["learner_hangs"]) == (3, 1)
     assert not Path(f"/proc/{stopped}").exists() or b"Z" in Path(f"/proc/{stopped}/stat").read_bytes()[:60]
-    assert [m["step"] for m in metrics][-1] == 25 and summary["lost"] == 0
+    assert [m["step"] for m in metrics][-1] == steps and summary["lost"] == 0
+    assert (tmp_path / name / "policy" / "config.json").is_file()
     _check_accounting(summary)
     assert summary["counters"].get("ack_lost", 0) == 0
 

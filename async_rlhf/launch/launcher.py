@@ -7,12 +7,12 @@ Start-up runs its parts side by side (the Ray head while the model and Redis get
 learner ranks and the generators together) and prints where the time went. The driver loop
 calls one learner step at a time and, while it runs, watches the job each second: a dead
 generator is released from the gate and replaced (generator.max_restarts), a dead learner rank
-restarts every rank from the newest checkpoint (learner.max_restarts), a dead embedded
-redis-server is restarted and slots of groups gone untrained go back to the gate (both in
-launch/stream.py); requests from other drivers (`add-generators`, `stop`) are taken; a status
-snapshot is published. Every step writes a StepRecord (launch/metrics.py) to OUT/metrics.jsonl,
-TensorBoard and the console; the end writes OUT/summary.json, a JobSummary with the accounting
-of every group (async_rlhf/messages.py).
+restarts every rank from the newest checkpoint (learner.max_restarts; in the final checkpoint
+and export too, which then run again), a dead embedded redis-server is restarted and slots of
+groups gone untrained go back to the gate (both in launch/stream.py); requests from other drivers
+(`add-generators`, `stop`) are taken; a status snapshot is published. Every step writes a
+StepRecord (launch/metrics.py) to OUT/metrics.jsonl, TensorBoard and the console; the end writes
+OUT/summary.json, a JobSummary with the accounting of every group (async_rlhf/messages.py).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ log = logging.getLogger("async_rlhf")
 
 TICK_S = 1.0
 RANK_PING_S = 30.0  # the most a learner rank may take to answer whether it lives
+FINISH_TIMEOUT_S = 600.0  # the most the ranks' final checkpoint and export may take
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +94,7 @@ class Job:
         self.learners: list[Any] = []
         self.step_in_flight: tuple[list, float] | None = None  # the ranks' step refs, its start
         self.learner_starts: list[Any] = []  # the ranks' start calls (refs)
+        self.export = ""  # the policy's directory, once the ranks' final checkpoint and export are done
         self.evaluator = None  # the EvalWorker actor when eval.every > 0
         self.metrics: MetricsLog | None = None  # opened once the generators are up
         self.startup: dict[str, float] = {}  # phase -> seconds since the command started
@@ -412,9 +414,13 @@ class Job:
         self.metrics = MetricsLog(self.out, cfg.learner.steps)
         version = self.start_version
         self._new_epoch()
-        while version < cfg.learner.steps:
+        while True:
             step_start = time.perf_counter()
             try:
+                if version >= cfg.learner.steps:  # the final checkpoint and export: healed like a step
+                    self.export = self._rank_results([l.finish.remote() for l in self.learners],
+                                                     timeout=FINISH_TIMEOUT_S)[0]
+                    break
                 metrics = self._step()
             except _RankDied as e:  # (a task error still ends the job)
                 version = self._restart_learners(str(e))
@@ -461,15 +467,15 @@ class Job:
         if metrics.version > self.metrics.last_version:  # not written before the interrupt
             self._record(metrics, time.perf_counter() - start)
 
-    def _rank_results(self, refs: list) -> list:
-        """The ranks' results; a rank's death raises _RankDied (only theirs: an actor error
-        from anything else the tick calls is no reason to restart the learner). When one rank
-        dies, another's collective with it may fail first, as that rank's task error (gloo:
-        "Connection reset by peer"): then a rank found dead is the cause, and the error ends
-        the job only when every rank lives."""
+    def _rank_results(self, refs: list, timeout: float | None = None) -> list:
+        """The ranks' results (waiting at most `timeout`); a rank's death raises _RankDied (only
+        theirs: an actor error from anything else the tick calls is no reason to restart the
+        learner). When one rank dies, another's collective with it may fail first, as that rank's
+        task error (gloo: "Connection reset by peer"): then a rank found dead is the cause, and
+        the error ends the job only when every rank lives."""
         ray = self.ray
         try:
-            return ray.get(refs)
+            return ray.get(refs, timeout=timeout)
         except ray.exceptions.RayActorError as e:
             raise _RankDied(type(e).__name__) from e
         except ray.exceptions.RayTaskError as e:
@@ -600,16 +606,17 @@ class Job:
     def _finish(self) -> None:
         """Stop generators, checkpoint and export the policy, and account for every trajectory."""
         ray = self.ray
-        if self.learners:
+        if self.learners and not self.export:  # stopped or failed before the loop's own
             try:  # first: a step in flight completes with the generators still feeding it
                 if self.error:  # ...unless the job failed: their data may never come
                     ray.get([l.give_up_waiting.remote() for l in self.learners], timeout=60)
-                export = ray.get([l.finish.remote() for l in self.learners], timeout=600)
-                print(f"policy exported to {export[0]}")
+                self.export = ray.get([l.finish.remote() for l in self.learners], timeout=FINISH_TIMEOUT_S)[0]
             except Exception as e:  # noqa: BLE001 - a failed learner must not block the summary
                 log.error("learner checkpoint failed: %s", e)
                 for learner in self.learners:
                     ray.kill(learner)
+        if self.export:
+            print(f"policy exported to {self.export}")
         for gid, handle in {**self.generators, **{g: h for g, (h, _) in self.starting.items()}}.items():
             try:
                 self.gen_stats[gid] = ray.get(handle.stop.remote(), timeout=120)
