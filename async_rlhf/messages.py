@@ -326,7 +326,7 @@ class JobSummary:
     redis_restarts: int
     generator_stalls: int  # generators killed for making no progress (generator.stall_s)
     learner_restarts: int  # the learner ranks restarted together (learner.max_restarts)
-    learner_hangs: int  # of them, steps past learner.step_timeout_s
+    learner_hangs: int  # of them, hung: a step or the final checkpoint past its timeout
     startup: Mapping[str, float]  # phase -> seconds since the command started
     placement: str
     error: str = ""

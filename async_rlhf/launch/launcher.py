@@ -77,7 +77,7 @@ class Job:
         self.stall_watch = StallWatch(cfg.generator.stall_s)
         self.stalls = 0  # generators lost for making no progress (generator.stall_s)
         self.learner_restarts = 0  # learner.max_restarts at most
-        self.learner_hangs = 0  # of them, steps that ran past learner.step_timeout_s
+        self.learner_hangs = 0  # of them, hung: a step or the final checkpoint past its timeout
         self.learner_pid = 0
         self.due_restarts: list[tuple[float, str]] = []  # (monotonic time, generator id)
         self.requested: dict[str, tuple[int, dict, float]] = {}  # gid -> (request, need, since)
@@ -417,9 +417,8 @@ class Job:
         while True:
             step_start = time.perf_counter()
             try:
-                if version >= cfg.learner.steps:  # the final checkpoint and export: healed like a step
-                    self.export = self._rank_results([l.finish.remote() for l in self.learners],
-                                                     timeout=FINISH_TIMEOUT_S)[0]
+                if version >= cfg.learner.steps:
+                    self.export = self._final_checkpoint()
                     break
                 metrics = self._step()
             except _RankDied as e:  # (a task error still ends the job)
@@ -451,6 +450,15 @@ class Job:
         if time.monotonic() - self.last_tick >= TICK_S:  # fast steps: still watch each second
             self._tick()
         return self._rank_results(refs)[0]  # in flight until its row is written (_record)
+
+    def _final_checkpoint(self) -> str:
+        """The ranks' final checkpoint and policy export; its directory. A rank that dies in it,
+        or hangs (it runs past FINISH_TIMEOUT_S), raises _RankDied, as in a step."""
+        try:
+            return self._rank_results([l.finish.remote() for l in self.learners], timeout=FINISH_TIMEOUT_S)[0]
+        except self.ray.exceptions.GetTimeoutError:
+            self.learner_hangs += 1
+            raise _RankDied(f"the final checkpoint ran past {FINISH_TIMEOUT_S:g} s") from None
 
     def _record_step_in_flight(self) -> None:
         """Interrupted during a learner step or before its row was written: the ranks finish it
