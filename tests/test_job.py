@@ -303,10 +303,10 @@ def test_a_learner_rank_that_dies_or_hangs_restarts_every_rank(tmp_path, tiny_ac
     """Two DeepSpeed ZeRO-2 ranks, three faults in one job, each healed by restarting both ranks
     from the newest checkpoint: rank 1 SIGKILLed (rank 0's collective with it fails first, as a
     task error, not an actor's death); the new rank 1 SIGSTOPped (rank 0 hangs in a collective
-    with it until the step passes learner.step_timeout_s); then rank 0 SIGKILLed in the final
-    checkpoint, which is written again. The job trains every step, exports the policy and loses
-    no group."""
-    name, steps = "ranks", 27  # the final checkpoint, v27, is the only one written at the end
+    with it until the step passes learner.step_timeout_s); then rank 0 SIGKILLed once the last
+    step is recorded, in (or just before) the final checkpoint, which is written again. The job
+    trains every step, exports the policy and loses no group."""
+    name, steps = "ranks", 27  # not a multiple of checkpoint_every: v27 is written only at the end
     proc = _train(tmp_path, tiny_actor_model, name, f"learner.steps={steps}", "max_staleness=1",
                   "learner.checkpoint_every=5", "learner.ranks=2", "learner.zero_stage=2",
                   "learner.wait_s=15", "learner.step_timeout_s=20")
@@ -328,10 +328,11 @@ def test_a_learner_rank_that_dies_or_hangs_restarts_every_rank(tmp_path, tiny_ac
         stopped = ranks_after(1, 12)[1]
         os.kill(stopped, signal.SIGSTOP)
         rank0 = ranks_after(2, 12)[0]
-        final = tmp_path / name / "checkpoints" / f"v{steps}"
-        while not final.exists():  # polled closely: the tiny model's checkpoint takes well under 1 s
-            assert proc.poll() is None, "the job ended before its final checkpoint"
-            time.sleep(0.01)
+        metrics_path = tmp_path / name / "metrics.jsonl"
+        # polled closely: the tiny model's final checkpoint and export take a fraction of a second
+        while f'"step": {steps},' not in metrics_path.read_text():
+            assert proc.poll() is None, "the job ended before its last step"
+            time.sleep(0.005)
         os.kill(rank0, signal.SIGKILL)
         metrics, summary = _finish(tmp_path, name, proc)
     log = proc.log_path.read_text()

@@ -45,7 +45,6 @@ log = logging.getLogger("async_rlhf")
 
 TICK_S = 1.0
 RANK_PING_S = 30.0  # the most a learner rank may take to answer whether it lives
-FINISH_TIMEOUT_S = 600.0  # the most the ranks' final checkpoint and export may take
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,7 +93,9 @@ class Job:
         self.learners: list[Any] = []
         self.step_in_flight: tuple[list, float] | None = None  # the ranks' step refs, its start
         self.learner_starts: list[Any] = []  # the ranks' start calls (refs)
-        self.export = ""  # the policy's directory, once the ranks' final checkpoint and export are done
+        self.finishing: list[Any] = []  # the ranks' final checkpoint and export calls (refs)
+        self.export = ""  # the policy's directory, once they are done
+        self.stopping = 0.0  # monotonic time the end began: the final checkpoint, or after the loop
         self.evaluator = None  # the EvalWorker actor when eval.every > 0
         self.metrics: MetricsLog | None = None  # opened once the generators are up
         self.startup: dict[str, float] = {}  # phase -> seconds since the command started
@@ -134,9 +135,10 @@ class Job:
                 self.error = f"{type(e).__name__}: {e}".strip()
                 log.error("job failed: %s", self.error)
                 code = 1
-            stopping = time.monotonic()
+            self.stopping = self.stopping or time.monotonic()
             self._finish()
-        self.summary = dataclasses.replace(self.summary, shutdown_s=round(time.monotonic() - stopping, 1))
+        shutdown_s = round(time.monotonic() - self.stopping, 1)
+        self.summary = dataclasses.replace(self.summary, shutdown_s=shutdown_s)
         self._write_summary()
         print(f"shut down in {self.summary.shutdown_s:.1f} s (checkpoint, export, generators, Ray, Redis)")
         return code
@@ -279,11 +281,14 @@ class Job:
         resumed job does, and form a new weight-sync epoch, whose first message brings the
         generators back to that version. Returns the learner's version."""
         ray, budget = self.ray, self.cfg.learner.max_restarts
-        if self.learner_restarts >= budget:
+        if self.learner_restarts >= budget:  # dead or hung, they cannot write a final checkpoint
+            for learner in self.learners:
+                ray.kill(learner)
+            self.learners = []
             raise RuntimeError(f"the learner failed ({why}) and learner.max_restarts={budget} "
                                "restarts are spent")
         self.learner_restarts += 1
-        self.step_in_flight = None  # lost with the ranks
+        self.step_in_flight, self.finishing = None, []  # lost with the ranks
         print(f"learner failed ({why}); restarting it from the newest checkpoint (restart "
               f"{self.learner_restarts} of learner.max_restarts={budget})", file=sys.stderr)
         for learner in self.learners:
@@ -453,12 +458,16 @@ class Job:
 
     def _final_checkpoint(self) -> str:
         """The ranks' final checkpoint and policy export; its directory. A rank that dies in it,
-        or hangs (it runs past FINISH_TIMEOUT_S), raises _RankDied, as in a step."""
+        or hangs (it runs past learner.step_timeout_s, which bounds a step's checkpoints too),
+        raises _RankDied, as in a step."""
+        timeout_s = self.cfg.learner.step_timeout_s
+        self.stopping = time.monotonic()
+        self.finishing = [l.finish.remote() for l in self.learners]
         try:
-            return self._rank_results([l.finish.remote() for l in self.learners], timeout=FINISH_TIMEOUT_S)[0]
+            return self._rank_results(self.finishing, timeout=timeout_s)[0]
         except self.ray.exceptions.GetTimeoutError:
             self.learner_hangs += 1
-            raise _RankDied(f"the final checkpoint ran past {FINISH_TIMEOUT_S:g} s") from None
+            raise _RankDied(f"the final checkpoint ran past learner.step_timeout_s={timeout_s:g}") from None
 
     def _record_step_in_flight(self) -> None:
         """Interrupted during a learner step or before its row was written: the ranks finish it
@@ -612,13 +621,16 @@ class Job:
 
     # -- the end ---------------------------------------------------------------------------
     def _finish(self) -> None:
-        """Stop generators, checkpoint and export the policy, and account for every trajectory."""
+        """Stop generators and account for every trajectory; first the learner's final checkpoint
+        and export, unless the loop did them (stopped, interrupted or failed before: the calls
+        the loop made, if any, are waited for rather than made again)."""
         ray = self.ray
-        if self.learners and not self.export:  # stopped or failed before the loop's own
+        if self.learners and not self.export:
             try:  # first: a step in flight completes with the generators still feeding it
                 if self.error:  # ...unless the job failed: their data may never come
                     ray.get([l.give_up_waiting.remote() for l in self.learners], timeout=60)
-                self.export = ray.get([l.finish.remote() for l in self.learners], timeout=FINISH_TIMEOUT_S)[0]
+                self.finishing = self.finishing or [l.finish.remote() for l in self.learners]
+                self.export = ray.get(self.finishing, timeout=self.cfg.learner.step_timeout_s)[0]
             except Exception as e:  # noqa: BLE001 - a failed learner must not block the summary
                 log.error("learner checkpoint failed: %s", e)
                 for learner in self.learners:
@@ -645,7 +657,7 @@ class Job:
 
 
 class _RankDied(Exception):
-    """A learner rank's actor died during a step (the message: Ray's error type)."""
+    """A learner rank died or hung, in a step or in the final checkpoint (the message: why)."""
 
 
 @functools.cache
