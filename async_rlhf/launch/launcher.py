@@ -289,6 +289,7 @@ class Job:
                                "restarts are spent")
         self.learner_restarts += 1
         self.step_in_flight, self.finishing = None, []  # lost with the ranks
+        self.stopping = 0.0  # the end begins again after the steps the checkpoint lacks
         print(f"learner failed ({why}); restarting it from the newest checkpoint (restart "
               f"{self.learner_restarts} of learner.max_restarts={budget})", file=sys.stderr)
         for learner in self.learners:
