@@ -223,11 +223,6 @@ class TrainBackend(Protocol):
     def vocab_size(self) -> int: ...
 
     @property
-    def has_dropout(self) -> bool:
-        """Whether the policy's training-mode forward is noisy (then pi_prox needs its own pass)."""
-        ...
-
-    @property
     def has_reference(self) -> bool: ...
 
     @property

@@ -16,8 +16,8 @@ replay=None, publisher=None.
 
 Per step (one policy version): wait for a batch (dropping, with an ack and a count, anything
 staler than max_staleness) -> recompute pi_prox (and reference, critic) on each rank's rows
-(pi_prox only when the batch takes several optimizer steps, feeds a KL reward or the model has
-dropout; otherwise it is the training forward's own log-probs, detached) -> advantages ->
+(pi_prox only when the batch takes several optimizer steps or feeds a KL reward; otherwise it
+is the training forward's own log-probs, detached) -> advantages ->
 `minibatches` optimizer steps of micro-batches -> ack first uses as "trained" -> version += 1 ->
 gather full weights and publish them (rank 0) -> checkpoint when due.
 A crash after an ack but before the next checkpoint loses those updates, not the run: resume
@@ -113,11 +113,10 @@ class Learner:
         self._vocab = backend.vocab_size
         # With one optimizer step per batch, pi_prox (the weights before this step) is what the
         # training forward computes: take it detached there (as TRL does for num_iterations=1)
-        # rather than in a separate pass, a fifth of the step. A KL-in-reward needs it earlier;
-        # with dropout the training forward is noisy and the (eval-mode) pass stays.
+        # rather than in a separate pass, a fifth of the step. A KL-in-reward needs it earlier.
+        # (The models train without dropout: learners.models.disable_dropout.)
         self.prox_from_forward = (cfg.ratio_to == "prox" and cfg.minibatches == 1
-                                  and not (cfg.kl_mode == "reward" and backend.has_reference)
-                                  and not backend.has_dropout)
+                                  and not (cfg.kl_mode == "reward" and backend.has_reference))
         # learner.algorithm dpo or rs: its own rows and loss on the same batches (no pi_prox)
         self.objective = None if cfg.algorithm == "ppo" else PreferenceObjective(cfg, backend, group_size)
         self.prox_from_forward |= self.objective is not None

@@ -46,25 +46,34 @@ def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
 
 
-def _attn_implementation(device: str, want_flash: bool, dtype: torch.dtype) -> str:
-    if device.startswith("cuda") and want_flash and dtype != torch.float32:  # FA2: 16-bit only
+def _attn_implementation(device: str, want_flash: bool, dtype: torch.dtype, config) -> str:
+    """flash-attention 2 on a GPU where installed (16-bit only), else SDPA; but SDPA drops the
+    attention logits' softcapping (Gemma-2's `attn_logit_softcapping`), which vLLM applies: such
+    a model runs transformers' eager attention, which keeps it (sliding windows SDPA keeps, in
+    its mask)."""
+    if device.startswith("cuda") and want_flash and dtype != torch.float32:
         try:
             import flash_attn  # noqa: F401
 
             return "flash_attention_2"
         except ImportError:
             pass
-    return "sdpa"
+    text = getattr(config, "text_config", None) or config
+    return "eager" if getattr(text, "attn_logit_softcapping", None) else "sdpa"
 
 
-def has_dropout(model: nn.Module) -> bool:
-    """Whether training mode adds dropout: an nn.Dropout with p > 0, or a config rate > 0 (Llama
-    and kin apply attention dropout functionally, from config.attention_dropout)."""
-    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
-        return True
-    config = getattr(model, "config", None)
-    rates = config.to_dict().items() if config is not None else ()
-    return any(("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0 for k, v in rates)
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Dropout off in every forward, in training mode too (as TRL's disable_dropout, its
+    default): vLLM samples without it, so pi_theta, pi_prox and the behaviour log-probs are of one
+    distribution. Both kinds: nn.Dropout modules (GPT-2's), and the rate attention layers apply
+    functionally in training mode (Llama and kin: `attention_dropout`). The config is left alone:
+    the exported policy keeps the user's."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model
 
 
 class ValueModel(nn.Module):
@@ -79,9 +88,9 @@ class ValueModel(nn.Module):
         super().__init__()
         from transformers import AutoModelForSequenceClassification
 
-        rm = AutoModelForSequenceClassification.from_pretrained(
+        rm = disable_dropout(AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, dtype=dtype, attn_implementation=attn
-        )
+        ))
         self.backbone = rm.base_model
         self.head = rm.score
 
@@ -104,14 +113,16 @@ def load_models(cfg: LearnerConfig, policy: str | nn.Module, device: str, dtype:
     when learner.advantage is gae (from learner.critic_init, else the policy directory). The
     trained models (policy, critic) are built inside `sharded()` (ZeRO-3: partitioned as they
     are built, deepspeed_backend.zero3_init); the reference outside it, whole."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    attn = _attn_implementation(device, cfg.flash_attention, dtype)
+    config = policy.config if isinstance(policy, nn.Module) else AutoConfig.from_pretrained(policy)
+    attn = _attn_implementation(device, cfg.flash_attention, dtype, config)
 
     def load(path_or_model: str | nn.Module) -> nn.Module:
         if isinstance(path_or_model, nn.Module):
-            return path_or_model
-        return AutoModelForCausalLM.from_pretrained(path_or_model, dtype=torch.float32, attn_implementation=attn)
+            return disable_dropout(path_or_model)
+        return disable_dropout(AutoModelForCausalLM.from_pretrained(path_or_model, dtype=torch.float32,
+                                                                    attn_implementation=attn))
 
     with sharded():
         model = load(policy)
@@ -206,10 +217,6 @@ class HeldModels:
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
-
-    @property
-    def has_dropout(self) -> bool:
-        return has_dropout(self.model)
 
     @property
     def has_reference(self) -> bool:

@@ -15,14 +15,15 @@ import pytest
 import torch
 from helpers import VOCAB, check_nonfinite_step_is_skipped, make_group
 
-from async_rlhf.synthetic import build_model, random_groups
+from async_rlhf.config import LearnerConfig
+from async_rlhf.synthetic import random_groups
 from async_rlhf.types import Group, Received
 from buffer.codec import decode
 from learners.advantages import grpo_advantages
 from learners.batch import Batch, token_staleness
 from learners.checkpoints import checkpoint_version
 from learners.losses import policy_loss
-from learners.models import has_dropout
+from learners.models import load_models
 
 
 def test_fixed_batch_objective_decreases_and_metrics_are_complete(make_learner):
@@ -300,14 +301,24 @@ def test_pi_prox_from_the_training_forward_gives_the_recomputed_update(make_lear
         torch.testing.assert_close(w, w_recomputed[name], rtol=0, atol=1e-6)
 
 
-def test_dropout_keeps_the_separate_pi_prox_pass():
-    model = build_model("tiny", seed=0)
-    assert not has_dropout(model)
-    model.config.attention_dropout = 0.1  # applied functionally in Llama's attention
-    assert has_dropout(model)
-    model.config.attention_dropout = 0.0
-    model.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Dropout(0.1))
-    assert has_dropout(model)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_learner_s_models_run_without_dropout(tmp_path, family):
+    """vLLM samples without dropout, so the learner's forwards must not add it, in training mode
+    too: GPT-2's nn.Dropout modules (0.1 by default) and Llama's functional attention dropout."""
+    from transformers import AutoModelForCausalLM
+
+    from async_rlhf.synthetic import PRESETS, family_config
+
+    config = family_config(family, PRESETS["tiny"], VOCAB)
+    if family == "llama":
+        config.attention_dropout = 0.1
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    models = load_models(LearnerConfig(kl_coef=0.1), str(tmp_path), "cpu", torch.float32)
+    ids = torch.randint(3, VOCAB, (2, 12))
+    for model in (models.policy.train(), models.reference.train()):
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("overrides", [
