@@ -20,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from async_rlhf.synthetic import BOS, CHARACTERS, EOS, PAD, PRESETS, SPECIAL_TOKENS, UNK, build_model
+from async_rlhf.synthetic import BOS, CHARACTERS, EOS, FAMILIES, PAD, PRESETS, SPECIAL_TOKENS, UNK, build_model
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 # ChatML, as Qwen and others write it, with <bos> first as Llama 3's template does.
@@ -80,21 +80,23 @@ def build_bpe_tokenizer(seed: int = 0):
     return tokenizer
 
 
-def init_model(out: str | Path, preset: str = "tiny", seed: int = 0, tokenizer: str = "char") -> Path:
-    """Build model + tokenizer (char or bpe) into `out` (overwriting); returns the directory."""
+def init_model(out: str | Path, preset: str = "tiny", seed: int = 0, tokenizer: str = "char",
+               family: str = "llama") -> Path:
+    """Build model (of `family`: async_rlhf.synthetic.FAMILIES) + tokenizer (char or bpe) into
+    `out` (overwriting); returns the directory."""
     if tokenizer not in ("char", "bpe"):
         raise ValueError(f"unknown tokenizer {tokenizer!r}: choose char or bpe")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer() if tokenizer == "char" else build_bpe_tokenizer(seed)
-    model = build_model(preset, seed, vocab_size=len(tok))
+    model = build_model(preset, seed, vocab_size=len(tok), family=family)
     for config in (model.config, model.generation_config):
         config.pad_token_id, config.bos_token_id = tok.pad_token_id, tok.bos_token_id
         config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
     tok.save_pretrained(out)
     (out / "async_rlhf_model.json").write_text(
-        json.dumps({"preset": preset, "seed": seed, "tokenizer": tokenizer}) + "\n")
+        json.dumps({"preset": preset, "seed": seed, "tokenizer": tokenizer, "family": family}) + "\n")
     return out
 
 
@@ -123,9 +125,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="directory to write the model and tokenizer to")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", choices=["char", "bpe"], default="char")
+    parser.add_argument("--family", choices=FAMILIES, default="llama",
+                        help="the architecture: tied output layers, GQA, softcapping... as the family has them")
 
 
 def run(args: argparse.Namespace) -> int:
-    out = init_model(args.out, args.preset, args.seed, args.tokenizer)
-    print(f"{args.preset} model: {count_parameters(out) / 1e6:.2f}M parameters -> {out}")
+    out = init_model(args.out, args.preset, args.seed, args.tokenizer, args.family)
+    print(f"{args.preset} {args.family} model: {count_parameters(out) / 1e6:.2f}M parameters -> {out}")
     return 0

@@ -42,31 +42,54 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def build_model(preset: str, seed: int = 0, vocab_size: int = CHAR_VOCAB_SIZE):
-    """A random-init float32 LlamaForCausalLM of `preset`'s shape (transformers, offline), with
-    the character tokenizer's pad/bos/eos ids."""
+# The model families a random-init model can be built as (`family`), each with what sets it
+# apart in the weight path and the learner: tied output layers, fused or biased projections,
+# norms on q and k, softcapped attention and sliding windows, GPT-2's Conv1D and dropout.
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "gpt2")
+
+
+def family_config(family: str, p: Preset, vocab_size: int):
+    """A transformers config of `family` in preset `p`'s shape, with the character tokenizer's
+    special ids. Llama (the presets' family) and Mistral and Phi-3 untie their output layer; the
+    others tie it, as their small models do (GQA where the family has it)."""
+    import transformers as tf
+
+    heads = p.num_heads
+    ids = dict(pad_token_id=SPECIAL_TOKENS.index(PAD), bos_token_id=SPECIAL_TOKENS.index(BOS),
+               eos_token_id=SPECIAL_TOKENS.index(EOS))
+    if family == "gpt2":
+        return tf.GPT2Config(vocab_size=vocab_size, n_embd=p.hidden_size, n_layer=p.num_layers, n_head=heads,
+                             n_positions=p.max_positions, **ids)  # dropout 0.1 and tied, as GPT-2's own
+    shape = dict(vocab_size=vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+                 num_hidden_layers=p.num_layers, num_attention_heads=heads, max_position_embeddings=p.max_positions,
+                 **ids)
+    head_dim = dict(head_dim=p.hidden_size // heads)
+    configs = {
+        "llama": lambda: tf.LlamaConfig(**shape, num_key_value_heads=heads, tie_word_embeddings=False),
+        "qwen2": lambda: tf.Qwen2Config(**shape, num_key_value_heads=heads // 2, tie_word_embeddings=True),
+        "qwen3": lambda: tf.Qwen3Config(**shape, **head_dim, num_key_value_heads=heads // 2, tie_word_embeddings=True),
+        "mistral": lambda: tf.MistralConfig(**shape, num_key_value_heads=heads // 2, tie_word_embeddings=False),
+        "gemma": lambda: tf.GemmaConfig(**shape, **head_dim, num_key_value_heads=heads // 2),
+        "gemma2": lambda: tf.Gemma2Config(**shape, **head_dim, num_key_value_heads=heads // 2,
+                                          query_pre_attn_scalar=p.hidden_size // heads, sliding_window=16),
+        "phi3": lambda: tf.Phi3Config(**shape, num_key_value_heads=heads // 2, tie_word_embeddings=False),
+    }
+    if family not in configs:
+        raise ValueError(f"unknown model family {family!r}: choose one of {', '.join(FAMILIES)}")
+    return configs[family]()
+
+
+def build_model(preset: str, seed: int = 0, vocab_size: int = CHAR_VOCAB_SIZE, family: str = "llama"):
+    """A random-init float32 causal LM of `preset`'s shape and `family` (transformers, offline),
+    with the character tokenizer's pad/bos/eos ids."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}: choose one of {', '.join(PRESETS)}")
-    p = PRESETS[preset]
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=p.hidden_size,
-        intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_layers,
-        num_attention_heads=p.num_heads,
-        num_key_value_heads=p.num_heads,
-        max_position_embeddings=p.max_positions,
-        pad_token_id=SPECIAL_TOKENS.index(PAD),
-        bos_token_id=SPECIAL_TOKENS.index(BOS),
-        eos_token_id=SPECIAL_TOKENS.index(EOS),
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
+    config = family_config(family, PRESETS[preset], vocab_size)
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(torch.float32).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 def random_groups(

@@ -61,6 +61,27 @@ Param = tuple[str, str, list[int]]  # name, dtype (str(torch.dtype)), shape
 _NCCL_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
+MISFIT = "does not fit the generator's model"
+
+
+class WeightMismatchError(RuntimeError):
+    """An update that does not fit the receiving model: a name it does not know, a parameter it
+    would leave unloaded, a shape that differs. Never transient: the job ends with it."""
+
+
+def mismatch(version: int, unknown: Iterable[str] = (), unloaded: Iterable[str] = (),
+             detail: str = "") -> WeightMismatchError:
+    """The error for update `version`, naming (up to 8 of each of) the offending parameters."""
+    def some(names: Iterable[str]) -> str:
+        names = sorted(names)
+        return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+    parts = [f"names the model does not have: {some(unknown)}" if unknown else "",
+             f"parameters it would leave unloaded: {some(unloaded)}" if unloaded else "", detail]
+    return WeightMismatchError(f"weight update {version} {MISFIT} ({'; '.join(p for p in parts if p)}): "
+                               "the learner and the generators must load the same model.path")
+
+
 @dataclass(frozen=True)
 class UpdateMeta:
     """What the learner's RPC tells each member ahead of one update's broadcasts: plain lists,

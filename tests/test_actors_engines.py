@@ -19,8 +19,10 @@ from actors.engines import make_engine, vllm_settings
 from async_rlhf.devices import bf16_native
 from actors.engines.hf_engine import HFEngine
 from actors.tasks import examples
-from async_rlhf.config import GeneratorConfig
+from async_rlhf.config import GeneratorConfig, LearnerConfig
+from async_rlhf.synthetic import FAMILIES
 from async_rlhf.types import Prompt
+from async_rlhf.weight_sync import WeightMismatchError
 
 TEMPERATURE = 0.7
 MAX_NEW = 12
@@ -175,8 +177,11 @@ def test_hf_engine_logprobs_and_update(tiny_actor_model, prompts):
     engine.update_weights(new.items(), version=3)
     assert engine.policy_version == 3
     assert engine.model.model.embed_tokens.weight.equal(new["model.embed_tokens.weight"])
-    with pytest.raises(ValueError, match="got no tensor for"):
+    with pytest.raises(WeightMismatchError, match="leave unloaded: lm_head.weight, model.layers.0.input_layernorm.weight"):
         engine.update_weights(list(new.items())[:2], version=4)
+    with pytest.raises(WeightMismatchError, match=r"does not have: lm_head\.bias"):
+        engine.update_weights([*new.items(), ("lm_head.bias", new["model.norm.weight"])], version=4)
+    assert engine.policy_version == 3
 
 
 def test_hf_engine_top_p_logprobs_are_of_the_nucleus(tiny_actor_model, prompts):
@@ -330,3 +335,50 @@ def test_vllm_engine_takes_the_generator_dtype_and_memory_share(tiny_actor_model
     assert json.loads(line[len("RESULT "):]) == {"dtype": "torch.bfloat16", "eager": True, "memory": 0.25,
                                                  "samples": 2, "version": 1, "registry_subprocesses": 0,
                                                  "compiled": []}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_s_weight_updates_reach_vllm(tmp_path, prompts, family):
+    """The families users bring (tied output layers, GQA, qkv bias, q/k norms, softcapping and
+    sliding windows, Conv1D): after weight updates from the learner's backend, vLLM samples from
+    what the learner computes. Log-probs of sampled tokens are compared, not greedy text (random
+    models tie too often). An update that leaves out or misnames a parameter fails with its name."""
+    from actors.engines.vllm_engine import VLLMEngine
+    from actors.model_init import init_model
+    from learners.torch_backend import TorchBackend
+
+    path = init_model(tmp_path / family, "tiny", family=family)
+    backend = TorchBackend(LearnerConfig(mixed_precision="fp32"), str(path))
+    engine = VLLMEngine(path, max_new_tokens=MAX_NEW, temperature=1.0, seed=0)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        for version in (1, 2):  # the epoch's first update is checked in full, the next by its metadata
+            with torch.no_grad():  # attention logits large enough for Gemma-2's softcapping to change
+                for name, p in backend.model.named_parameters():
+                    p.mul_(4 if version == 1 and ("q_proj" in name or "k_proj" in name) else 1)
+                    p.add_(0.05 * torch.randn(p.shape, generator=gen))
+            engine.update_weights(backend.full_state_dict().items(), version)
+        samples = [(p, s) for p, g in zip(prompts, engine.generate(prompts, 2)) for s in g]
+        diffs = [np.abs(_learner_logprobs(backend, p, s) - s.behavior_logprobs).max() for p, s in samples]
+        assert max(diffs) <= 1e-3, f"{family}: max |vLLM - learner| log-prob {max(diffs):.2e} after an update"
+        weights = list(backend.full_state_dict().items())
+        if family == "qwen2":
+            with pytest.raises(WeightMismatchError, match=r"would leave unloaded: model\.norm\.weight\)"):
+                engine.update_weights([(n, t) for n, t in weights if n != "model.norm.weight"], 3)
+        if family == "llama":
+            renamed = [(n.replace("mlp.up_proj", "mlp.upper_proj"), t) for n, t in weights]
+            with pytest.raises(WeightMismatchError, match=r"vLLM could not load it: .*upper_proj"):
+                engine.update_weights(renamed, 3)
+    finally:
+        engine.close()
+
+
+def _learner_logprobs(backend, prompt, sample) -> np.ndarray:
+    """The learner's own log-probs of a sample's tokens (HeldModels.logprobs, as for pi_prox)."""
+    ids = torch.tensor([list(prompt.token_ids) + sample.response_ids.tolist()])
+    start = len(prompt.token_ids) - 1
+    positions = torch.arange(start, start + len(sample.response_ids))[None]
+    with backend.inference():
+        logp, _ = backend.logprobs(ids, torch.ones_like(ids), positions)
+    return logp[0].numpy()

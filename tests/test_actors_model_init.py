@@ -48,7 +48,9 @@ def test_same_seed_same_weights(tmp_path):
 
 def test_cli(tmp_path, capsys):
     assert main(["init-model", "--preset", "tiny", "--out", str(tmp_path / "cli"), "--seed", "2"]) == 0
-    assert "tiny model: 0.87M parameters" in capsys.readouterr().out
+    assert "tiny llama model: 0.87M parameters" in capsys.readouterr().out
+    assert main(["init-model", "--family", "qwen2", "--out", str(tmp_path / "qwen2")]) == 0
+    assert "tiny qwen2 model" in capsys.readouterr().out
     assert init_model  # the function the CLI wraps is importable for the launcher
 
 

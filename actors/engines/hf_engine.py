@@ -32,7 +32,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from async_rlhf.messages import SyncAddress
 from async_rlhf.procs import LOOPBACK
 from async_rlhf.types import Prompt, Sample, VersionSpans
-from async_rlhf.weight_sync import StagedReceiver, UpdateMeta
+from async_rlhf.weight_sync import StagedReceiver, UpdateMeta, mismatch
 
 
 def _before_stop(text: str, stop: Sequence[str]) -> str | None:
@@ -186,17 +186,17 @@ class HFEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy full HF-named weights into the model in place, then generate as `version`."""
+        """Copy full HF-named weights into the model in place, then generate as `version`; an
+        update that names a tensor the model lacks, leaves one out or has another shape raises
+        WeightMismatchError before anything is copied."""
         params = dict(self.model.named_parameters())
-        seen = set()
-        for name, tensor in named_tensors:
-            if name not in params:
-                raise KeyError(f"weight {name!r} is not a parameter of this model ({len(params)} are)")
+        named = list(named_tensors)
+        names = {name for name, _ in named}
+        shapes = [f"{n} {tuple(t.shape)} (the model's {tuple(params[n].shape)})" for n, t in named
+                  if n in params and t.shape != params[n].shape]
+        if names != set(params) or shapes:
+            raise mismatch(version, unknown=names - set(params), unloaded=set(params) - names,
+                           detail=f"other shapes: {', '.join(shapes)}" if shapes else "")
+        for name, tensor in named:
             params[name].copy_(tensor.to(params[name].device, params[name].dtype))
-            seen.add(name)
-        missing = sorted(set(params) - seen)
-        if missing:
-            raise ValueError(
-                f"update_weights got no tensor for {len(missing)} parameters, e.g. {missing[0]!r}"
-            )
         self._version = version

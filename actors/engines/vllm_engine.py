@@ -65,7 +65,7 @@ import torch
 from async_rlhf.messages import SyncAddress
 from async_rlhf.procs import LOOPBACK
 from async_rlhf.types import Prompt, Sample
-from async_rlhf.weight_sync import StagedReceiver, UpdateMeta
+from async_rlhf.weight_sync import MISFIT, StagedReceiver, UpdateMeta, WeightMismatchError, mismatch
 
 def _inspect_models_in_this_process() -> None:
     """vLLM inspects a model class once per machine (then ~/.cache/vllm/modelinfos has it) in a
@@ -94,17 +94,17 @@ _INSTALL_HINT = (
 
 
 # What vLLM logs at every in-place weight reload, by logger: the reload and its time (the
-# generator's weight_update_s has it), the prefix-cache reset, a warning that RotaryEmbedding
-# loaded no weights (its cos/sin cache is no checkpoint tensor, and it is put back as it was),
-# and one warning per tensor when float32 weights (the learner's, or the checkpoint's at start)
-# load into a bf16 engine, which is the precision generator.dtype chose. Once per learner step,
-# those lines bury the job's own.
+# generator's weight_update_s has it), the prefix-cache reset, and one warning per tensor when
+# float32 weights (the learner's, or the checkpoint's at start) load into a bf16 engine, which is
+# the precision generator.dtype chose. Once per learner step, those lines bury the job's own.
+# vLLM's "<Layer>: Failed to load weights" is not filtered: a layer with parameters that an
+# update leaves out fails the update (WeightReloadExtension's check, which names them), and the
+# warning is left for layers that own only buffers (a rotary cache, Gemma's normaliser).
 _RELOAD_NOISE = {
     "vllm.model_executor.models.utils": (
         _NARROWED := "Attempted to load weight %s with dtype %s into parameter with dtype %s",),
     "vllm.model_executor.model_loader.reload.inplace": (
         "Reloading weights inplace...", "Reloading and processing weights took %.2f seconds"),
-    "vllm.model_executor.model_loader.reload.layerwise": (_NO_WEIGHTS := "%s: Failed to load weights",),
     "vllm.v1.core.block_pool": ("Successfully reset prefix cache",),
 }
 
@@ -117,9 +117,8 @@ class _ReloadNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg not in self.messages:
             return True
-        if record.msg == _NARROWED:  # float32 into the engine's dtype is the cast chosen; others warn
-            return record.args[1] != torch.float32
-        return record.msg == _NO_WEIGHTS and record.args != ("RotaryEmbedding",)  # a real miss
+        # float32 into the engine's dtype is the cast chosen; others warn
+        return record.msg == _NARROWED and record.args[1] != torch.float32
 
 
 # wherever vLLM imports this module (worker_extension_cls): the engine's process, or its workers'
@@ -127,11 +126,33 @@ for _name, _messages in _RELOAD_NOISE.items():
     logging.getLogger(_name).addFilter(_ReloadNoise(_messages))
 
 
+def _tied(model: torch.nn.Module) -> dict[str, str]:
+    """vLLM's tied parameters: {alias: the first name of the same tensor}, e.g. a tied model's
+    {"lm_head.weight": "model.embed_tokens.weight"}."""
+    first: dict[int, str] = {}
+    return {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
+            if first.setdefault(id(p), name) != name}
+
+
 class WeightReloadExtension:
     """Mixed into vLLM's worker class (worker_extension_cls); runs inside each worker, where the
-    model is: each worker is a weight-sync member of rank (the engine's first rank + its own)."""
+    model is: each worker is a weight-sync member of rank (the engine's first rank + its own).
+
+    Every update is checked. The first of each membership epoch (and any whose names, dtypes
+    or shapes differ from the last one checked) in full: every parameter of vLLM's model,
+    tied aliases included, must be loaded by it, and a name vLLM does not know fails its load;
+    either raises WeightMismatchError naming them, which ends the job. Later updates of the
+    epoch carry the same metadata and load as they are.
+
+    Tied embeddings: the learner sends each tensor once (`named_parameters()` drops the tied
+    output layer). vLLM ties `lm_head.weight` to the embedding, but its in-place reload takes
+    each layer apart and processes it on its own (on CPU, repacking the weight into the GEMM
+    kernel's layout), so a layer that receives nothing keeps its old kernel weights. The update
+    is given the embedding's tensor under each alias vLLM ties to it, so the output layer is
+    reloaded and repacked with it at every update."""
 
     _receiver_made = threading.Lock()
+    _checked: list | None = None  # the metadata of the update last checked in full, this epoch
 
     @property
     def weight_sync_receiver(self) -> StagedReceiver:
@@ -141,6 +162,7 @@ class WeightReloadExtension:
         return self._weight_sync_receiver
 
     def join_weight_sync(self, address: dict, rank: int, host: str) -> None:
+        self._checked = None  # a new epoch's first update is checked in full
         self.weight_sync_receiver.join(SyncAddress(**address), rank + self.rank, host)  # type: ignore[attr-defined]
 
     def receive_weights(self, meta: dict, load: bool, keep: list[int]) -> int:
@@ -150,8 +172,38 @@ class WeightReloadExtension:
         self.weight_sync_receiver.load(version)
 
     def reload_named_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int = -1) -> int:
-        self.model_runner.reload_weights(weights_iterator=iter(named_tensors))  # type: ignore[attr-defined]
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = runner.get_model()
+        names = {name for name, _ in named_tensors}
+        by_name = dict(named_tensors)
+        named = list(named_tensors) + [(alias, by_name[source]) for alias, source in _tied(model).items()
+                                       if source in names and alias not in names]
+        metadata = [(name, t.dtype, tuple(t.shape)) for name, t in named]
+        if metadata == self._checked:
+            runner.reload_weights(weights_iterator=iter(named))
+            return len(named_tensors)
+        loaded = self._reload_recording(runner, model, named, version)
+        expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        if loaded is not None and (unloaded := expected - loaded):
+            raise mismatch(version, unloaded=unloaded)
+        self._checked = metadata
         return len(named_tensors)
+
+    @staticmethod
+    def _reload_recording(runner, model: torch.nn.Module, named: list, version: int) -> set[str] | None:
+        """Reload `named` in place through vLLM's reload path; returns the names of vLLM's
+        parameters its model's `load_weights` loaded (None where a model does not say). A name it
+        does not know or a shape that does not fit raises in vLLM's loaders: WeightMismatchError."""
+        results = []
+        load_weights = model.load_weights
+        model.load_weights = lambda weights: results.append(load_weights(weights)) or results[-1]
+        try:  # (an instance attribute for this reload only: vLLM calls model.load_weights)
+            runner.reload_weights(weights_iterator=iter(named))
+        except (ValueError, KeyError, AssertionError) as e:
+            raise mismatch(version, detail=f"vLLM could not load it: {type(e).__name__}: {str(e)[:400]}") from e
+        finally:
+            del model.load_weights
+        return None if None in results else set().union(*results)
 
 
 class VLLMEngine:
@@ -337,9 +389,18 @@ class VLLMEngine:
         self._loaded(version)
 
     def _rpc(self, method: str, *args) -> list:
-        """Call the worker extension's `method` on every worker; their results."""
-        with self._client:
-            return self.llm.collective_rpc(method, args=args)
+        """Call the worker extension's `method` on every worker; their results. A weight update
+        that does not fit raises WeightMismatchError (an engine core in its own process returns
+        it as a plain Exception with its message)."""
+        try:
+            with self._client:
+                return self.llm.collective_rpc(method, args=args)
+        except WeightMismatchError:
+            raise
+        except Exception as e:
+            if MISFIT in str(e):
+                raise WeightMismatchError(str(e)) from e
+            raise
 
     def _loaded(self, version: int) -> None:
         """New weights are in: sample as `version` from the next step on (groups in flight keep

@@ -544,6 +544,8 @@ class Job:
             stats = self.gen_stats[gid]
             if stats.error:
                 log.error("generator %s failed:\n%s", gid, stats.error)
+                if "WeightMismatchError" in stats.error:  # a replacement would fail the same way
+                    raise RuntimeError(f"generator {gid}: {stats.error.strip().splitlines()[-1]}")
                 self._lose_generator(gid, stats.error.strip().splitlines()[-1])
             elif why := self.stall_watch.stalled(gid, stats.steps + stats.weight_updates, stats.sequences,
                                                  stats.updates_waiting, time.monotonic()):

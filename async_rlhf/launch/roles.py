@@ -192,13 +192,24 @@ class GeneratorWorker:
         """The learner's RPC: it is broadcasting this update now."""
         start = time.perf_counter()
         if self.direct:
-            self.generator.apply_weights(lambda: self.engine.receive_weights(meta, load=True))
+            self._misfit_stops(self.generator.apply_weights, lambda: self.engine.receive_weights(meta, load=True))
         else:
             with self._update_ready:
                 keep = set(self._staged)
             self.engine.receive_weights(meta, load=False, keep=keep)
             self._received(meta.version)
         self.last_receive_s = time.perf_counter() - start
+
+    def _misfit_stops(self, fn, *args) -> None:
+        """Run `fn`; an update that does not fit the model stops generation at once (nothing
+        samples from a half-updated model) and is kept for the launcher, which ends the job."""
+        try:
+            fn(*args)
+        except WeightMismatchError:
+            self.stop_event.set()
+            self.error = traceback.format_exc()
+            log.error("%s: %s", self.generator_id, self.error)
+            raise
 
     def _received(self, version: int) -> None:
         """Hand the applier the staged version to load: the newest, or with generator.weight_lag
@@ -218,7 +229,7 @@ class GeneratorWorker:
                 self._update_ready.wait_for(lambda: self._pick is not None or self.stop_event.is_set(), 1.0)
                 pick, self._pick = self._pick, None
             if pick is not None:  # blocks until the engine loop's safe point: the next step
-                self.generator.apply_weights(lambda: self.engine.load_staged(pick))  # or an empty engine
+                self._misfit_stops(self.generator.apply_weights, lambda: self.engine.load_staged(pick))
 
     def node_address(self) -> str:
         return node_address()
