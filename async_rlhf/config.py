@@ -295,6 +295,7 @@ class LearnerConfig(_Section):
     value_clip: float = 0.2  # the critic's value clip range (gae)
     max_reuse: int = 1  # times a trajectory may be trained on while within the staleness bound
     checkpoint_every: int = 10  # steps (a crashed learner loses at most this many); 0: only at the end
+    keep_checkpoints: int = 2  # the newest this many checkpoints stay on disk; older ones are deleted
     minibatches: int = 1  # optimizer steps per batch, all against the same pi_prox (AReaL's n_mbs)
     optimizer: Literal["adamw_torch", "adamw_deepspeed"] = "adamw_torch"  # deepspeed: C++ build
     critic_lr: float = 1e-5  # GAE only
@@ -343,7 +344,7 @@ class LearnerConfig(_Section):
             _check(self.kl_coef == 0, "learner.kl_coef", self.kl_coef,
                    f"0 with learner.algorithm={self.algorithm} (dpo has its KL strength in "
                    "learner.dpo_beta, rs no KL term)")
-        self._positive("max_reuse", "minibatches", "critic_lr", "wait_s")
+        self._positive("max_reuse", "minibatches", "critic_lr", "wait_s", "keep_checkpoints")
         _check(self.step_timeout_s > self.wait_s, "learner.step_timeout_s", self.step_timeout_s,
                f"above learner.wait_s={self.wait_s:g} (a step's wait for data counts towards it)")
         _check(self.max_restarts >= 0, "learner.max_restarts", self.max_restarts, ">= 0")

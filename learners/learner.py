@@ -56,8 +56,6 @@ log = logging.getLogger(__name__)
 
 _PPO_STATS = ("clip_frac", "ratio_mean", "bw_mean", "bw_capped_frac")  # token-weighted means
 
-_KEEP_CHECKPOINTS = 2
-
 
 class Learner:
     """One data-parallel rank of the learner (see module docstring for the split).
@@ -538,7 +536,7 @@ class Learner:
         if self.rank == 0:  # keep the newest few: backends never delete a tag
             for root in (self.ckpt_dir, self.ckpt_dir / "critic"):
                 tags = sorted((int(p.name[1:]), p) for p in root.glob("v*") if p.name[1:].isdigit())
-                for _, old in tags[:-_KEEP_CHECKPOINTS]:
+                for _, old in tags[:-self.cfg.keep_checkpoints]:
                     shutil.rmtree(old, ignore_errors=True)
 
     def resume(self) -> bool:

@@ -93,6 +93,7 @@ def test_rewards_list(tmp_path):
         ("env.max_turns=0", "env.max_turns must be > 0, got 0"),
         ("env.target=myenv", "env.target must be module:Class, e.g. actors.envs:GuessNumber"),
         ("env.args=[1]", "env.args must be a mapping, got [1]"),
+        ("learner.keep_checkpoints=0", "learner.keep_checkpoints must be > 0, got 0"),
     ],
 )
 def test_bad_values_name_key_value_and_fix(override, message):

@@ -357,6 +357,15 @@ def test_resume_restores_weights_optimizer_version_and_counters(make_learner, tm
         torch.testing.assert_close(after_resumed[k], after[k], rtol=0, atol=1e-6)
 
 
+def test_keep_checkpoints_keeps_that_many_newest(make_learner, tmp_path):
+    learner, _, _ = make_learner(random_groups(8, vocab=VOCAB, seed=6), max_staleness=4,
+                                 checkpoint_every=1, keep_checkpoints=3)
+    learner.ckpt_dir = tmp_path
+    learner.train(steps=4)
+    assert checkpoint_version(tmp_path) == 4
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v2", "v3", "v4"]
+
+
 def test_token_staleness_counts_each_token_by_the_version_that_sampled_it():
     crossed = make_group(size=2, policy_version=3, version_spans=((3, 0), (5, 2)))  # 3, 3, 5, 5
     assert token_staleness([Received("1-0", crossed)], 5) == 1.0  # by sample it is 2
