@@ -275,6 +275,9 @@ class LearnerConfig(_Section):
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # the gradients' global norm is clipped to this (0: no clipping)
     clip_eps: float = 0.2  # PPO's clip range for the ratio pi_theta / pi_prox
+    # the ratio's upper clip bound is 1 + clip_eps_high (DAPO's clip-higher, e.g. 0.28): the ratio
+    # is clipped to [1 - clip_eps, 1 + clip_eps_high]; unset: 1 + clip_eps
+    clip_eps_high: float | None = None
     # behaviour correction pi_prox / pi_behaviour: none, truncated at is_cap (TIS) or masked above it
     correction: Literal["none", "truncate", "mask"] = "truncate"
     # the correction weight per token or per sequence
@@ -345,6 +348,9 @@ class LearnerConfig(_Section):
                    f"0 with learner.algorithm={self.algorithm} (dpo has its KL strength in "
                    "learner.dpo_beta, rs no KL term)")
         self._positive("max_reuse", "minibatches", "critic_lr", "wait_s", "keep_checkpoints")
+        if self.clip_eps_high is not None:
+            _check(self.clip_eps_high > 0, "learner.clip_eps_high", self.clip_eps_high,
+                   "> 0 (or unset: the upper bound is 1 + learner.clip_eps)")
         _check(self.step_timeout_s > self.wait_s, "learner.step_timeout_s", self.step_timeout_s,
                f"above learner.wait_s={self.wait_s:g} (a step's wait for data counts towards it)")
         _check(self.max_restarts >= 0, "learner.max_restarts", self.max_restarts, ">= 0")

@@ -447,8 +447,9 @@ class Learner:
         try:
             pg, st = policy_loss(
                 logp, prox, mb.behavior_logp, targets, mb.mask,
-                clip_eps=cfg.clip_eps, correction=cfg.correction, is_cap=cfg.is_cap,
-                level=cfg.correction_level, ratio_to=cfg.ratio_to, agg=cfg.loss_agg, **counts,
+                clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, correction=cfg.correction,
+                is_cap=cfg.is_cap, level=cfg.correction_level, ratio_to=cfg.ratio_to, agg=cfg.loss_agg,
+                **counts,
             )
         except NonFiniteError as e:
             pg, why = logp.sum() * math.nan, str(e)

@@ -93,6 +93,8 @@ def test_rewards_list(tmp_path):
         ("env.max_turns=0", "env.max_turns must be > 0, got 0"),
         ("env.target=myenv", "env.target must be module:Class, e.g. actors.envs:GuessNumber"),
         ("env.args=[1]", "env.args must be a mapping, got [1]"),
+        ("learner.clip_eps_high=0", "learner.clip_eps_high must be > 0 (or unset: the upper bound is "
+                                    "1 + learner.clip_eps), got 0.0"),
         ("learner.keep_checkpoints=0", "learner.keep_checkpoints must be > 0, got 0"),
     ],
 )
