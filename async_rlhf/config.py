@@ -272,6 +272,12 @@ class LearnerConfig(_Section):
     threads: int = 1  # torch CPU threads per rank; its Ray actor reserves as many CPUs
     zero_stage: Literal[0, 1, 2, 3] = 0  # DeepSpeed ZeRO stage
     lr: float = 1e-4  # the policy's learning rate (AdamW)
+    # learner steps (policy versions) over which the policy's learning rate rises linearly, from
+    # lr / lr_warmup_steps at the first to lr at the last (every minibatch of a step has its lr)
+    lr_warmup_steps: int = 0
+    # the policy's learning rate after the warmup: lr throughout (constant), or decaying from lr
+    # to 0 at learner.steps linearly or along a half cosine (learners/schedule.py)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # the gradients' global norm is clipped to this (0: no clipping)
     clip_eps: float = 0.2  # PPO's clip range for the ratio pi_theta / pi_prox
@@ -348,6 +354,8 @@ class LearnerConfig(_Section):
                    f"0 with learner.algorithm={self.algorithm} (dpo has its KL strength in "
                    "learner.dpo_beta, rs no KL term)")
         self._positive("max_reuse", "minibatches", "critic_lr", "wait_s", "keep_checkpoints")
+        _check(0 <= self.lr_warmup_steps <= self.steps, "learner.lr_warmup_steps", self.lr_warmup_steps,
+               f"in 0..learner.steps ({self.steps}): a warmup cannot outlast the run")
         if self.clip_eps_high is not None:
             _check(self.clip_eps_high > 0, "learner.clip_eps_high", self.clip_eps_high,
                    "> 0 (or unset: the upper bound is 1 + learner.clip_eps)")

@@ -18,7 +18,8 @@ Per step (one policy version): wait for a batch (dropping, with an ack and a cou
 staler than max_staleness) -> recompute pi_prox (and reference, critic) on each rank's rows
 (pi_prox only when the batch takes several optimizer steps, feeds a KL reward or the model has
 dropout; otherwise it is the training forward's own log-probs, detached) -> advantages ->
-`minibatches` optimizer steps of micro-batches -> ack first uses as "trained" -> version += 1 ->
+`minibatches` optimizer steps of micro-batches, at the version's learning rate
+(learners/schedule.py) -> ack first uses as "trained" -> version += 1 ->
 gather full weights and publish them (rank 0) -> checkpoint when due.
 A crash after an ack but before the next checkpoint loses those updates, not the run: resume
 restarts from the checkpoint with its version and counters, and trains on fresh experience.
@@ -50,6 +51,7 @@ from learners import advantages as adv_fns
 from learners.batch import Batch, token_staleness
 from learners.losses import NonFiniteError, aggregate, check_finite, kl_penalty, policy_loss, value_loss
 from learners.preference import PreferenceObjective
+from learners.schedule import lr_at
 from learners.shaping import Shaping
 
 log = logging.getLogger(__name__)
@@ -141,6 +143,10 @@ class Learner:
         batch = Batch.broadcast(batch, self.backend.device) if self.world > 1 else batch.to(self.backend.device)
         timing["wait"] = time.perf_counter() - t
 
+        cfg = self.cfg
+        lr = lr_at(self.version, lr=cfg.lr, warmup=cfg.lr_warmup_steps, total=cfg.steps,
+                   schedule=cfg.lr_schedule)
+        self.backend.set_lr(lr)
         stats = self._train_batch(batch, timing)
 
         staleness = (self.version - batch.versions).tolist()
@@ -164,6 +170,7 @@ class Learner:
         return StepMetrics(
             version=self.version,
             **stats,
+            lr=lr,
             samples=len(staleness),
             samples_fresh=len(first_use) * self.group_size,
             tokens=tokens,
