@@ -272,9 +272,18 @@ class LearnerConfig(_Section):
     threads: int = 1  # torch CPU threads per rank; its Ray actor reserves as many CPUs
     zero_stage: Literal[0, 1, 2, 3] = 0  # DeepSpeed ZeRO stage
     lr: float = 1e-4  # the policy's learning rate (AdamW)
+    # learner steps (policy versions) over which the policy's learning rate rises linearly, from
+    # lr / lr_warmup_steps at the first to lr at the last (every minibatch of a step has its lr)
+    lr_warmup_steps: int = 0
+    # the policy's learning rate after the warmup: lr throughout (constant), or decaying from lr
+    # to 0 at learner.steps linearly or along a half cosine (learners/schedule.py)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # the gradients' global norm is clipped to this (0: no clipping)
     clip_eps: float = 0.2  # PPO's clip range for the ratio pi_theta / pi_prox
+    # the ratio's upper clip bound is 1 + clip_eps_high (DAPO's clip-higher, e.g. 0.28): the ratio
+    # is clipped to [1 - clip_eps, 1 + clip_eps_high]; unset: 1 + clip_eps
+    clip_eps_high: float | None = None
     # behaviour correction pi_prox / pi_behaviour: none, truncated at is_cap (TIS) or masked above it
     correction: Literal["none", "truncate", "mask"] = "truncate"
     # the correction weight per token or per sequence
@@ -295,6 +304,7 @@ class LearnerConfig(_Section):
     value_clip: float = 0.2  # the critic's value clip range (gae)
     max_reuse: int = 1  # times a trajectory may be trained on while within the staleness bound
     checkpoint_every: int = 10  # steps (a crashed learner loses at most this many); 0: only at the end
+    keep_checkpoints: int = 2  # the newest this many checkpoints stay on disk; older ones are deleted
     minibatches: int = 1  # optimizer steps per batch, all against the same pi_prox (AReaL's n_mbs)
     optimizer: Literal["adamw_torch", "adamw_deepspeed"] = "adamw_torch"  # deepspeed: C++ build
     critic_lr: float = 1e-5  # GAE only
@@ -343,7 +353,12 @@ class LearnerConfig(_Section):
             _check(self.kl_coef == 0, "learner.kl_coef", self.kl_coef,
                    f"0 with learner.algorithm={self.algorithm} (dpo has its KL strength in "
                    "learner.dpo_beta, rs no KL term)")
-        self._positive("max_reuse", "minibatches", "critic_lr", "wait_s")
+        self._positive("max_reuse", "minibatches", "critic_lr", "wait_s", "keep_checkpoints")
+        _check(0 <= self.lr_warmup_steps <= self.steps, "learner.lr_warmup_steps", self.lr_warmup_steps,
+               f"in 0..learner.steps ({self.steps}): a warmup cannot outlast the run")
+        if self.clip_eps_high is not None:
+            _check(self.clip_eps_high > 0, "learner.clip_eps_high", self.clip_eps_high,
+                   "> 0 (or unset: the upper bound is 1 + learner.clip_eps)")
         _check(self.step_timeout_s > self.wait_s, "learner.step_timeout_s", self.step_timeout_s,
                f"above learner.wait_s={self.wait_s:g} (a step's wait for data counts towards it)")
         _check(self.max_restarts >= 0, "learner.max_restarts", self.max_restarts, ">= 0")

@@ -76,6 +76,7 @@ class StepMetrics:
     bw_capped_frac: float
     bw_max: float
     grad_norm: float  # NaN when every optimizer step was skipped
+    lr: float  # the policy's learning rate in this step's optimizer steps (learner.lr_schedule)
     skipped_nonfinite: int  # optimizer steps skipped for a non-finite loss or gradient
     samples: int
     samples_fresh: int  # first use; the rest were re-used from the replay buffer

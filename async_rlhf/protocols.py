@@ -258,6 +258,11 @@ class TrainBackend(Protocol):
         or optimizer state changed and the gradients were dropped, on every rank."""
         ...
 
+    def set_lr(self, lr: float) -> None:
+        """The policy optimizer's learning rate from its next step on (the learner sets it every
+        step, by learner.lr_schedule)."""
+        ...
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's full weights as CPU tensors under their HF names, on rank 0 ({} elsewhere)."""
         ...

@@ -209,6 +209,12 @@ class DeepSpeedBackend(HeldModels):
         norm = engine.get_global_grad_norm()
         return own_norm if norm is None else float(norm)
 
+    def set_lr(self, lr: float) -> None:
+        """Every wrapper DeepSpeed puts around our optimizer (ZeRO 1-3, bf16) shares its
+        param_groups: the lr set here is the one its step uses."""
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
     # -- weights ---------------------------------------------------------------------------
     def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full CPU tensor) for every policy parameter; ZeRO-3 shards gathered one

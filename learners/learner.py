@@ -18,7 +18,8 @@ Per step (one policy version): wait for a batch (dropping, with an ack and a cou
 staler than max_staleness) -> recompute pi_prox (and reference, critic) on each rank's rows
 (pi_prox only when the batch takes several optimizer steps or feeds a KL reward; otherwise it
 is the training forward's own log-probs, detached) -> advantages ->
-`minibatches` optimizer steps of micro-batches -> ack first uses as "trained" -> version += 1 ->
+`minibatches` optimizer steps of micro-batches, at the version's learning rate
+(learners/schedule.py) -> ack first uses as "trained" -> version += 1 ->
 gather full weights and publish them (rank 0) -> checkpoint when due.
 A crash after an ack but before the next checkpoint loses those updates, not the run: resume
 restarts from the checkpoint with its version and counters, and trains on fresh experience.
@@ -50,13 +51,12 @@ from learners import advantages as adv_fns
 from learners.batch import Batch, token_staleness
 from learners.losses import NonFiniteError, aggregate, check_finite, kl_penalty, policy_loss, value_loss
 from learners.preference import PreferenceObjective
+from learners.schedule import lr_at
 from learners.shaping import Shaping
 
 log = logging.getLogger(__name__)
 
 _PPO_STATS = ("clip_frac", "ratio_mean", "bw_mean", "bw_capped_frac")  # token-weighted means
-
-_KEEP_CHECKPOINTS = 2
 
 
 class Learner:
@@ -142,6 +142,10 @@ class Learner:
         batch = Batch.broadcast(batch, self.backend.device) if self.world > 1 else batch.to(self.backend.device)
         timing["wait"] = time.perf_counter() - t
 
+        cfg = self.cfg
+        lr = lr_at(self.version, lr=cfg.lr, warmup=cfg.lr_warmup_steps, total=cfg.steps,
+                   schedule=cfg.lr_schedule)
+        self.backend.set_lr(lr)
         stats = self._train_batch(batch, timing)
 
         staleness = (self.version - batch.versions).tolist()
@@ -165,6 +169,7 @@ class Learner:
         return StepMetrics(
             version=self.version,
             **stats,
+            lr=lr,
             samples=len(staleness),
             samples_fresh=len(first_use) * self.group_size,
             tokens=tokens,
@@ -448,8 +453,9 @@ class Learner:
         try:
             pg, st = policy_loss(
                 logp, prox, mb.behavior_logp, targets, mb.mask,
-                clip_eps=cfg.clip_eps, correction=cfg.correction, is_cap=cfg.is_cap,
-                level=cfg.correction_level, ratio_to=cfg.ratio_to, agg=cfg.loss_agg, **counts,
+                clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, correction=cfg.correction,
+                is_cap=cfg.is_cap, level=cfg.correction_level, ratio_to=cfg.ratio_to, agg=cfg.loss_agg,
+                **counts,
             )
         except NonFiniteError as e:
             pg, why = logp.sum() * math.nan, str(e)
@@ -537,7 +543,7 @@ class Learner:
         if self.rank == 0:  # keep the newest few: backends never delete a tag
             for root in (self.ckpt_dir, self.ckpt_dir / "critic"):
                 tags = sorted((int(p.name[1:]), p) for p in root.glob("v*") if p.name[1:].isdigit())
-                for _, old in tags[:-_KEEP_CHECKPOINTS]:
+                for _, old in tags[:-self.cfg.keep_checkpoints]:
                     shutil.rmtree(old, ignore_errors=True)
 
     def resume(self) -> bool:

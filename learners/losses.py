@@ -135,6 +135,7 @@ def policy_loss(
     mask: torch.Tensor,
     *,
     clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
     correction: Correction = "truncate",
     is_cap: float = 2.0,
     level: Literal["token", "sequence"] = "token",
@@ -145,8 +146,9 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO loss (Hilton et al. 2021, eq. 6; AReaL ppo_actor_loss_fn). All inputs [B, T].
 
-    loss_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1-eps, 1+eps)), r_t = pi_theta / pi_prox,
-    w_t = pi_prox / pi_behaviour corrected by `correction` (see behavior_weight).
+    loss_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1-eps, 1+eps_high)), r_t = pi_theta / pi_prox,
+    w_t = pi_prox / pi_behaviour corrected by `correction` (see behavior_weight). eps_high is
+    clip_eps_high, or clip_eps when None (DAPO's clip-higher, Yu et al. 2025, eq. 10).
     ratio_to="behavior" is plain PPO (Schulman et al. 2017, eq. 7) with r = pi_theta /
     pi_behaviour and no w, for ablation. log r is clamped to +-20 (verl). Returns (scalar loss,
     stats); stats are local means over the masked tokens: clip_frac, ratio_mean, bw_mean, bw_max,
@@ -166,7 +168,8 @@ def policy_loss(
         raise ValueError(f"ratio_to {ratio_to!r} unknown: use prox or behavior")
     ratio = exp_ratio(logp - anchor.detach())
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
     per_token = torch.maximum(unclipped, clipped) * w
     loss = aggregate(per_token, mask, agg, num_tokens, num_seqs)
 

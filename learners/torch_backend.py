@@ -78,6 +78,10 @@ class TorchBackend(HeldModels):
         optimizer.zero_grad()
         return norm
 
+    def set_lr(self, lr: float) -> None:
+        for group in self._optimizers["policy"].param_groups:
+            group["lr"] = lr
+
     # -- weights and checkpoints -----------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}

@@ -93,6 +93,13 @@ def test_rewards_list(tmp_path):
         ("env.max_turns=0", "env.max_turns must be > 0, got 0"),
         ("env.target=myenv", "env.target must be module:Class, e.g. actors.envs:GuessNumber"),
         ("env.args=[1]", "env.args must be a mapping, got [1]"),
+        ("learner.lr_warmup_steps=-1", "learner.lr_warmup_steps must be in 0..learner.steps (50): a warmup "
+                                       "cannot outlast the run, got -1"),
+        ("learner.lr_warmup_steps=51", "learner.lr_warmup_steps must be in 0..learner.steps (50)"),
+        ("learner.lr_schedule=exponential", "learner.lr_schedule must be one of 'constant', 'linear', 'cosine'"),
+        ("learner.clip_eps_high=0", "learner.clip_eps_high must be > 0 (or unset: the upper bound is "
+                                    "1 + learner.clip_eps), got 0.0"),
+        ("learner.keep_checkpoints=0", "learner.keep_checkpoints must be > 0, got 0"),
     ],
 )
 def test_bad_values_name_key_value_and_fix(override, message):

@@ -368,6 +368,37 @@ def test_resume_restores_weights_optimizer_version_and_counters(make_learner, tm
         torch.testing.assert_close(after_resumed[k], after[k], rtol=0, atol=1e-6)
 
 
+def test_the_lr_warms_up_decays_and_a_resumed_learner_takes_it_up_where_it_was_saved(make_learner, tmp_path):
+    """learner.lr_warmup_steps=2, lr_schedule=linear over 4 steps at lr 1e-3: steps 0-3 train at
+    5e-4, 1e-3 (warmup 1/2, 2/2), 1e-3, 5e-4 (1 - p, p = 0, 1/2). A learner resumed at version 2
+    goes on at step 2's lr, not from the start of the warmup."""
+    def step_lrs(learner, n):  # each step's lr metric, checked against the lr AdamW stepped with
+        metrics = [learner.step() for _ in range(n)]
+        assert metrics[-1].lr == learner.backend._optimizers["policy"].param_groups[0]["lr"]
+        return [m.lr for m in metrics]
+
+    groups = random_groups(8, vocab=VOCAB, seed=4)
+    cfg = dict(lr=1e-3, steps=4, lr_warmup_steps=2, lr_schedule="linear", checkpoint_every=1)
+    learner, _, _ = make_learner(groups[:4], **cfg)
+    learner.ckpt_dir = tmp_path
+    assert step_lrs(learner, 2) == pytest.approx([5e-4, 1e-3])
+
+    resumed, queue, _ = make_learner(**cfg)
+    resumed.ckpt_dir = tmp_path
+    assert resumed.resume() and resumed.version == 2
+    queue.put([g.with_version(2) for g in groups[4:]])
+    assert step_lrs(resumed, 2) == pytest.approx([1e-3, 5e-4])
+
+
+def test_keep_checkpoints_keeps_that_many_newest(make_learner, tmp_path):
+    learner, _, _ = make_learner(random_groups(8, vocab=VOCAB, seed=6), max_staleness=4,
+                                 checkpoint_every=1, keep_checkpoints=3)
+    learner.ckpt_dir = tmp_path
+    learner.train(steps=4)
+    assert checkpoint_version(tmp_path) == 4
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v2", "v3", "v4"]
+
+
 def test_token_staleness_counts_each_token_by_the_version_that_sampled_it():
     crossed = make_group(size=2, policy_version=3, version_spans=((3, 0), (5, 2)))  # 3, 3, 5, 5
     assert token_staleness([Received("1-0", crossed)], 5) == 1.0  # by sample it is 2

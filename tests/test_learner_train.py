@@ -60,3 +60,13 @@ def test_a_non_finite_loss_skips_the_step_and_the_next_batch_trains(make_learner
                                                                     dtype):
     """ZeRO-0 fp32 skips in our backend, ZeRO 1-3 and bf16 in DeepSpeed's overflow path."""
     check_nonfinite_step_is_skipped(*make_learner(zero_stage=zero_stage, dtype=dtype), caplog)
+
+
+def test_the_lr_schedule_reaches_the_optimizer_inside_deepspeeds_zero_wrapper(make_learner):
+    """ZeRO-2 wraps our AdamW; the lr the learner sets each step is the one AdamW steps with
+    (warmup 1/2 of lr 1e-3, then 1e-3)."""
+    learner, _, _ = make_learner(random_groups(4, vocab=VOCAB), zero_stage=2, lr=1e-3, lr_warmup_steps=2)
+    adamw = learner.backend.engine.optimizer.optimizer
+    assert isinstance(adamw, torch.optim.AdamW)
+    for want in (5e-4, 1e-3):
+        assert learner.step().lr == want and adamw.param_groups[0]["lr"] == want

@@ -74,6 +74,27 @@ def test_clip_is_on_ratio_to_prox_not_behaviour():
         assert logp.grad.item() == pytest.approx(0.0 if clipped else -adv * 1.2 * 1.25)
 
 
+@pytest.mark.parametrize(
+    "theta, adv, eps_high, want, clipped",
+    [
+        # prox = behaviour = 0.5 (w = 1), eps = 0.1, eps_high = 0.3.
+        (0.6, 1.0, 0.3, -1.2, 0.0),  # r = 1.2 < 1.3: the wider upper bound leaves it unclipped
+        (0.6, 1.0, None, -1.1, 1.0),  # unset: the bound is 1 + eps = 1.1 as before
+        (0.7, 1.0, 0.3, -1.3, 1.0),  # r = 1.4 clipped to 1.3
+        (0.4, -1.0, 0.3, 0.9, 1.0),  # r = 0.8, A < 0: the lower bound stays 1 - eps = 0.9
+    ],
+)
+def test_clip_higher_widens_only_the_upper_bound(theta, adv, eps_high, want, clipped):
+    logp = _one(LN(theta)).requires_grad_()
+    loss, stats = policy_loss(logp, _one(LN(0.5)), _one(LN(0.5)), _one(adv), ONE_MASK,
+                              clip_eps=0.1, clip_eps_high=eps_high)
+    loss.backward()
+    assert loss.item() == pytest.approx(want)
+    assert stats["clip_frac"] == clipped
+    # unclipped: d(-A r)/dlogp = -A r; clipped: no gradient
+    assert logp.grad.item() == pytest.approx(0.0 if clipped else -adv * theta / 0.5)
+
+
 def test_plain_ppo_against_behaviour_for_ablation():
     # r = 0.6 / 0.25 = 2.4 clipped to 1.2 with A = 1: loss -1.2; w not applied.
     loss, stats = policy_loss(

@@ -22,8 +22,8 @@ from async_rlhf.messages import (Accounting, CoordinatorSnapshot, EvalResult, Ge
 def _step(version: int, **changes) -> StepMetrics:
     m = StepMetrics(
         version=version, loss=0.25, loss_policy=0.3, entropy=1.5, clip_frac=0.1, ratio_mean=1.0, bw_mean=0.9,
-        bw_capped_frac=0.05, bw_max=1.2, grad_norm=0.7, skipped_nonfinite=0, samples=8, samples_fresh=8,
-        tokens=64, reward_mean=0.5, groups=2, group_size_min=4, groups_singleton=0, staleness_max=1,
+        bw_capped_frac=0.05, bw_max=1.2, grad_norm=0.7, lr=1e-4, skipped_nonfinite=0, samples=8,
+        samples_fresh=8, tokens=64, reward_mean=0.5, groups=2, group_size_min=4, groups_singleton=0, staleness_max=1,
         staleness_mean=0.5, staleness_hist={0: 4, 1: 4}, staleness_token_mean=0.25,
         reward_by_version={version - 1: (4, 0.5), max(version - 2, 0): (4, 0.25)},
         trained_by_generator={"gen-0": 8},
