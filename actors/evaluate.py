@@ -21,6 +21,7 @@ import math
 import time
 
 from async_rlhf.config import Config
+from async_rlhf.hub import context_length, resolve_model
 from async_rlhf.messages import EvalResult
 from async_rlhf.protocols import GenerationEngine
 from async_rlhf.types import Prompt
@@ -81,8 +82,9 @@ def eval_prompts(cfg: Config, tokenizer, max_tokens: int | None = None) -> list[
             raise ValueError(f"{len(shared)} of the {len(records)} prompts in eval.prompts={ev.prompts} "
                              f"are training prompts too (e.g. {shared[0]!r}): held-out prompts must "
                              "never be trained on; remove them from one of the two sets")
-    render = ChatRenderer(tokenizer, data.chat_template, data.system_prompt)
-    return PromptStream(records, tokenizer, name=name, max_tokens=max_tokens, render=render).prompts
+    render = ChatRenderer.from_config(tokenizer, data)
+    return PromptStream(records, tokenizer, name=name, max_tokens=max_tokens,
+                        max_prompt_tokens=cfg.generator.max_prompt_tokens, render=render).prompts
 
 
 def make_evaluator(cfg: Config, engine: GenerationEngine | None = None, device: str | None = None) -> Evaluator:
@@ -92,11 +94,11 @@ def make_evaluator(cfg: Config, engine: GenerationEngine | None = None, device: 
     from actors.engines import make_engine
 
     g = cfg.generator
-    model_cfg = AutoConfig.from_pretrained(cfg.model.path)
-    context = getattr(model_cfg, "max_position_embeddings", None) or getattr(model_cfg, "n_positions", None)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    path = resolve_model(cfg.model.path)
+    context = context_length(AutoConfig.from_pretrained(path))
+    tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = eval_prompts(cfg, tokenizer, max_tokens=context and context - cfg.response_limit)
-    engine = episodes_of(cfg, engine or make_engine(g, cfg.model.path, seed=cfg.seed, device=device,
+    engine = episodes_of(cfg, engine or make_engine(g, path, seed=cfg.seed, device=device,
                                                     model_dtype=cfg.model.dtype), tokenizer)
     return Evaluator(engine, prompts, Scorer.from_specs(cfg.rewards), samples=cfg.eval.samples,
                      pass_reward=cfg.eval.pass_reward)

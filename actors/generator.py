@@ -54,6 +54,7 @@ from typing import Literal
 import numpy as np
 
 from async_rlhf.config import Config
+from async_rlhf.hub import context_length, resolve_model
 from async_rlhf.messages import GeneratorStats
 from async_rlhf.protocols import AdmissionGate, ExperienceQueue, GenerationEngine
 from async_rlhf.types import Group, Prompt, Sample, Trajectory, TrajectoryError
@@ -442,18 +443,20 @@ def make_generator(
     job ends with the cause), not in its engine loop after it was ready (where each restart
     failed again, for minutes).
 
-    The model directory must exist (the launcher calls actors.model_init.ensure_model once)."""
+    The model directory must exist (the launcher calls actors.model_init.ensure_model once); a Hub
+    id is resolved through this node's Hugging Face cache."""
     from transformers import AutoConfig, AutoTokenizer
 
     from actors.engines import make_engine
 
     g = cfg.generator
-    model_cfg = AutoConfig.from_pretrained(cfg.model.path)
-    context = getattr(model_cfg, "max_position_embeddings", None) or getattr(model_cfg, "n_positions", None)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    path = resolve_model(cfg.model.path)
+    context = context_length(AutoConfig.from_pretrained(path))
+    tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = make_prompt_stream(cfg.data, tokenizer, seed=cfg.seed, stream=index,
-                                 max_tokens=context and context - cfg.response_limit)
-    engine = episodes_of(cfg, engine or make_engine(g, cfg.model.path, seed=cfg.seed + index, device=device,
+                                 max_tokens=context and context - cfg.response_limit,
+                                 max_prompt_tokens=g.max_prompt_tokens)
+    engine = episodes_of(cfg, engine or make_engine(g, path, seed=cfg.seed + index, device=device,
                                                     model_dtype=cfg.model.dtype), tokenizer)
     scorer = Scorer.from_specs(cfg.rewards, g.reward_concurrency)
     scorer.pool.start()

@@ -20,6 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
+from async_rlhf.hub import resolve_model
 from async_rlhf.synthetic import BOS, CHARACTERS, EOS, FAMILIES, PAD, PRESETS, SPECIAL_TOKENS, UNK, build_model
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -101,16 +102,19 @@ def init_model(out: str | Path, preset: str = "tiny", seed: int = 0, tokenizer: 
 
 
 def ensure_model(path: str | Path, preset: str | None = "tiny", seed: int = 0, tokenizer: str = "char") -> Path:
-    """Return `path`, building the model there first if it holds no model yet and a preset is
-    given (a random-init model is built only when asked for)."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        if preset is None:
-            raise FileNotFoundError(
-                f"model.path {str(path)!r} holds no model (no config.json): point it at a Hugging "
-                "Face model directory, or set model.preset=tiny (or small) to build a random-init one there")
-        init_model(path, preset, seed, tokenizer)
-    return path
+    """The model directory `path` names: `path`, where the model is built first if it holds no
+    model yet and a preset is given (a random-init model is built only when asked for); without
+    a preset, a Hub id's snapshot in this node's cache (async_rlhf.hub)."""
+    if (Path(path) / "config.json").is_file():
+        return Path(path)
+    if preset is not None:
+        return init_model(path, preset, seed, tokenizer)
+    resolved = Path(resolve_model(str(path)))
+    if not (resolved / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.path {str(path)!r} holds no model (no config.json): point it at a Hugging Face model "
+            "directory or Hub id, or set model.preset=tiny (or small) to build a random-init one there")
+    return resolved
 
 
 def count_parameters(path: str | Path) -> int:

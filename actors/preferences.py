@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from async_rlhf.config import Config
+from async_rlhf.hub import context_length, resolve_model
 from async_rlhf.messages import GeneratorStats, SyncAddress
 from async_rlhf.protocols import AdmissionGate, ExperienceQueue
 from async_rlhf.types import Group, Trajectory
@@ -179,9 +180,9 @@ def make_preference_producer(cfg: Config, queue: ExperienceQueue, gate: Admissio
 
     from actors.prompts import ChatRenderer, read_jsonl
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    render = ChatRenderer(tokenizer, cfg.data.chat_template, cfg.data.system_prompt)
-    model_cfg = AutoConfig.from_pretrained(cfg.model.path)
-    context = getattr(model_cfg, "max_position_embeddings", None) or getattr(model_cfg, "n_positions", None)
+    path = resolve_model(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    render = ChatRenderer.from_config(tokenizer, cfg.data)
+    context = context_length(AutoConfig.from_pretrained(path))
     return PreferenceProducer(read_jsonl(cfg.data.path), render, tokenizer, queue, gate,
                               prompt_key=cfg.data.prompt_key, generator_id=f"gen-{index}", max_tokens=context)

@@ -22,8 +22,9 @@ its token ids (tokenized without adding special tokens: the template writes them
 model sees, the trajectory carries and the learner trains on; rewards also get the messages.
 
 Prompts longer than `max_tokens` (the generator passes the model's context minus
-generator.max_new_tokens) are skipped with a warning that says how many and the fix; when none
-is left, that is an error. The records themselves stay where they are.
+generator.max_new_tokens), or than generator.max_prompt_tokens where that is set and lower, are
+skipped with a warning that says how many and the fix; when none is left, that is an error. The
+records themselves stay where they are.
 """
 
 from __future__ import annotations
@@ -124,12 +125,19 @@ def _check_messages(messages: list, where: str) -> None:
 
 class ChatRenderer:
     """A record's prompt -> (text, token ids, messages) as the model sees it (see the module
-    docstring). `chat_template`: auto, on, off or a Jinja file's path (data.chat_template)."""
+    docstring). `chat_template`: auto, on, off or a Jinja file's path (data.chat_template);
+    `template_kwargs`: the template's extra variables (data.chat_template_kwargs)."""
 
-    def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: str = ""):
+    def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: str = "",
+                 template_kwargs: dict[str, Any] | None = None):
         self.tokenizer, self.mode, self.system_prompt = tokenizer, chat_template, system_prompt
+        self.template_kwargs = template_kwargs or {}
         self.template = (tokenizer.chat_template if chat_template in ("auto", "on", "off")
                          else Path(chat_template).read_text())
+
+    @classmethod
+    def from_config(cls, tokenizer, data: DataConfig) -> ChatRenderer:
+        return cls(tokenizer, data.chat_template, data.system_prompt, data.chat_template_kwargs)
 
     def __call__(self, prompt: str | list[dict[str, str]], where: str):
         conversation = isinstance(prompt, list)
@@ -145,7 +153,8 @@ class ChatRenderer:
             raise ValueError(f"{where} is to be rendered as a chat, but the tokenizer has no chat "
                              "template: set data.chat_template=<a Jinja file>")
         text = self.tokenizer.apply_chat_template(messages, chat_template=self.template,
-                                                  tokenize=False, add_generation_prompt=True)
+                                                  tokenize=False, add_generation_prompt=True,
+                                                  **self.template_kwargs)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return text, tuple(ids), tuple(messages)
 
@@ -155,11 +164,14 @@ class PromptStream:
 
     def __init__(
         self, records: Sequence[Record], tokenizer, *, seed: int = 0, stream: int = 0,
-        name: str = "prompts", max_tokens: int | None = None, render: ChatRenderer | None = None,
+        name: str = "prompts", max_tokens: int | None = None, max_prompt_tokens: int = 0,
+        render: ChatRenderer | None = None,
     ):
         """`stream` varies the order only (give each generator its own), `seed` the order too;
-        prompts over `max_tokens` tokens are skipped (see the module docstring); `render` turns
-        a record's prompt into what the model sees (default: the tokenizer's, auto)."""
+        prompts over `max_tokens` tokens (the model's context minus the response limit) or over
+        `max_prompt_tokens` (generator.max_prompt_tokens; 0: none) are skipped (see the module
+        docstring); `render` turns a record's prompt into what the model sees (default: the
+        tokenizer's, auto)."""
         if not records:
             raise ValueError("a prompt stream needs at least one record")
         render = render or ChatRenderer(tokenizer)
@@ -167,16 +179,15 @@ class PromptStream:
         for i, (prompt, answer) in enumerate(records):
             text, ids, messages = render(prompt, f"prompt {name}:{i}")
             prompts.append(Prompt(f"{name}:{i}", ids, text, answer, messages))
-        self.prompts = [p for p in prompts if max_tokens is None or len(p.token_ids) <= max_tokens]
+        limit, why, fix = _prompt_limit(max_tokens, max_prompt_tokens)
+        self.prompts = [p for p in prompts if limit is None or len(p.token_ids) <= limit]
         if len(self.prompts) < len(prompts):
             longest = max(len(p.token_ids) for p in prompts)
             msg = (f"{len(prompts) - len(self.prompts)} of {len(prompts)} prompts of {name} are longer "
-                   f"than {max_tokens} tokens (the model's context minus generator.max_new_tokens; the "
-                   f"longest has {longest})")
+                   f"than {limit} tokens ({why}; the longest has {longest})")
             if not self.prompts:
-                raise ValueError(f"{msg}: none is left; shorten the prompts or lower "
-                                 "generator.max_new_tokens")
-            log.warning("%s: skipped; shorten them or lower generator.max_new_tokens to use them", msg)
+                raise ValueError(f"{msg}: none is left; shorten the prompts or {fix}")
+            log.warning("%s: skipped; shorten them or %s to use them", msg, fix)
         self.seed = seed
         self.stream = stream
         self.epoch = 0
@@ -216,10 +227,18 @@ class PromptStream:
         return [next(self) for _ in range(count)]
 
 
+def _prompt_limit(max_tokens: int | None, max_prompt_tokens: int) -> tuple[int | None, str, str]:
+    """The most tokens a prompt may have (None: no limit), what sets it, and the setting that
+    lifts it (PromptStream's arguments)."""
+    if max_prompt_tokens and (max_tokens is None or max_prompt_tokens < max_tokens):
+        return max_prompt_tokens, "generator.max_prompt_tokens", "raise generator.max_prompt_tokens"
+    return max_tokens, "the model's context minus generator.max_new_tokens", "lower generator.max_new_tokens"
+
+
 def make_prompt_stream(data: DataConfig, tokenizer, seed: int = 0, stream: int = 0,
-                       max_tokens: int | None = None) -> PromptStream:
+                       max_tokens: int | None = None, max_prompt_tokens: int = 0) -> PromptStream:
     """The prompts `data` names; generators share `seed` (same records) and differ in `stream`."""
     name = data.task if data.source == "task" else Path(data.path).stem
     return PromptStream(load_records(data, seed), tokenizer, seed=seed, stream=stream, name=name,
-                        max_tokens=max_tokens,
-                        render=ChatRenderer(tokenizer, data.chat_template, data.system_prompt))
+                        max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
+                        render=ChatRenderer.from_config(tokenizer, data))

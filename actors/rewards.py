@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from async_rlhf.config import RewardSpec
+from async_rlhf.hub import resolve_model
 from async_rlhf.protocols import RewardFn
 from async_rlhf.types import Prompt, Sample
 
@@ -72,10 +73,11 @@ class ModelReward:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        path = resolve_model(self.path, "rewards[].target")
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=torch.float32).eval()
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
 

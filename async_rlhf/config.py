@@ -92,7 +92,10 @@ class _Section:
 @dataclass(frozen=True)
 class ModelConfig(_Section):
     _prefix = "model."
-    path: str = "runs/models/tiny"  # a Hugging Face model directory (config.json, weights, tokenizer)
+    # a Hugging Face model directory (config.json, weights, tokenizer), or a Hub id such as
+    # Qwen/Qwen2.5-0.5B-Instruct that every process resolves through its own Hugging Face cache
+    # (HF_HOME), downloading it unless HF_HUB_OFFLINE is set; with a preset, a directory to build
+    path: str = "runs/models/tiny"
     # what init-model builds at `path` when it holds no model; unset, a missing `path` is an error
     preset: Literal["tiny", "small"] | None = None
     tokenizer: Literal["char", "bpe"] = "char"  # ...and with which tokenizer (actors/model_init.py)
@@ -115,6 +118,9 @@ class DataConfig(_Section):
     # strings go in as they are; on: every prompt is rendered (a string as one user message);
     # off: none is; or the path of a Jinja template file to render every prompt with.
     chat_template: str = "auto"
+    # extra variables for the chat template (apply_chat_template's keyword arguments), e.g.
+    # {enable_thinking: false} for Qwen3's template
+    chat_template_kwargs: dict[str, str | bool | int | float] = field(default_factory=dict)
 
     def _validate(self) -> None:
         if self.source != "task":
@@ -123,6 +129,8 @@ class DataConfig(_Section):
                "data.chat_template", self.chat_template, "auto, on, off or an existing Jinja file")
         _check(not (self.system_prompt and self.chat_template == "off"), "data.system_prompt",
                self.system_prompt, "empty with data.chat_template=off (it is a chat message)")
+        _check(not (self.chat_template_kwargs and self.chat_template == "off"), "data.chat_template_kwargs",
+               self.chat_template_kwargs, "empty with data.chat_template=off (no template renders prompts)")
 
 
 @dataclass(frozen=True)
@@ -160,6 +168,11 @@ class GeneratorConfig(_Section):
     # until the engine is empty (no admission meanwhile), so one version samples all of a group.
     weight_updates: Literal["inflight", "between_groups"] = "inflight"
     max_new_tokens: int = 16  # the most tokens a response may have
+    # The most tokens a prompt (as rendered, template included) may have; 0: no limit besides the
+    # model's context minus max_new_tokens. Longer prompts are skipped, never cut (a cut prompt
+    # would lose its chat markup or question), and counted in a warning at the generators' start
+    # (actors/prompts.py); training and eval prompts alike.
+    max_prompt_tokens: int = 0
     # Stop sequences: a response also ends (besides at EOS or an end-of-turn token) at the token
     # that completes one of these in its text. That token is kept, trained on and has its
     # log-prob; the text rewards get ends before the stop string (vLLM's stop).
@@ -214,6 +227,8 @@ class GeneratorConfig(_Section):
     def _validate(self) -> None:
         _check(self.max_restarts >= 0, "generator.max_restarts", self.max_restarts, ">= 0")
         _check(self.weight_lag >= 0, "generator.weight_lag", self.weight_lag, ">= 0")
+        _check(self.max_prompt_tokens >= 0, "generator.max_prompt_tokens", self.max_prompt_tokens,
+               ">= 0 (0: no limit besides the model's context)")
         _check(0 <= self.nice <= 19, "generator.nice", self.nice, "from 0 (normal priority) to 19 (lowest)")
         self._positive("count", "group_size", "max_new_tokens", "threads", "reward_concurrency")
         self._positive("temperature", "tensor_parallel", "stall_s")

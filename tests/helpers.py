@@ -1,13 +1,16 @@
 """Helpers shared by test modules (tests/ is on sys.path under pytest): the one trajectory and
 group factory of the codec, queue and replay tests, a buggy producer's re-encoding, the
 admission gate and a hanging reward of the generator tests, what the learner tests of both
-backends share, and a TCP proxy to Redis that loses replies."""
+backends share, a TCP proxy to Redis that loses replies, and a Hugging Face cache that holds
+a model as the Hub's downloads leave it."""
 
 import collections
 import hashlib
 import math
+import os
 import socket
 import threading
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import msgpack
@@ -179,3 +182,22 @@ class ReplyLosingProxy:
 
     def close(self) -> None:
         self._listener.close()
+
+
+def cache_hub_model(hf_home: Path, repo_id: str, model_dir: Path, commit: str = "a" * 40) -> Path:
+    """Put `model_dir`'s files into the Hugging Face cache under `hf_home` as Hub id `repo_id`,
+    in huggingface_hub's layout (hub/models--org--name/ with refs/main naming the commit,
+    blobs/<sha256> and snapshots/<commit>/<file> linking to its blob); returns the snapshot."""
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = snapshot / path.relative_to(model_dir)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(blob, link.parent), link)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot

@@ -196,3 +196,42 @@ def test_malformed_conversations_and_settings_are_refused(tmp_path):
         DataConfig(chat_template="nope.jinja")
     with pytest.raises(ConfigError, match="data.system_prompt must be empty with data.chat_template=off"):
         DataConfig(system_prompt="x", chat_template="off")
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path, bpe):
+    """Qwen3's template writes an empty think block when enable_thinking is false."""
+    jinja = tmp_path / "thinking.jinja"
+    jinja.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                     "{% endfor %}<|im_start|>assistant\n"
+                     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
+    plain = DataConfig(task="count", chat_template=str(jinja))
+    thinking = make_prompt_stream(plain, bpe, seed=0).take(1)[0]
+    quiet = make_prompt_stream(DataConfig(task="count", chat_template=str(jinja),
+                                          chat_template_kwargs={"enable_thinking": False}), bpe, seed=0).take(1)[0]
+    assert quiet.text == thinking.text + "<think>\n\n</think>\n\n"
+    assert quiet.token_ids == tuple(bpe(quiet.text, add_special_tokens=False)["input_ids"])
+    with pytest.raises(ConfigError, match=r"data.chat_template_kwargs must be empty with data.chat_template=off"):
+        DataConfig(chat_template="off", chat_template_kwargs={"enable_thinking": False})
+    with pytest.raises(ConfigError, match=r"data.chat_template_kwargs must be a mapping, got \['x'\]"):
+        DataConfig(chat_template_kwargs=["x"])
+
+
+def test_prompts_over_max_prompt_tokens_are_skipped_with_the_setting_named(tok, caplog):
+    records = [("copy 12=", "12"), ("copy " + "7" * 10 + "=", ""), ("copy 3=", "3")]
+    stream = PromptStream(records, tok, name="p", max_tokens=100, max_prompt_tokens=12)
+    assert sorted(p.text for p in stream.prompts) == ["copy 12=", "copy 3="]
+    assert "1 of 3 prompts of p are longer than 12 tokens (generator.max_prompt_tokens" in caplog.text
+    assert "raise generator.max_prompt_tokens" in caplog.text
+    # the model's context binds where it is lower; 0 is no limit of its own
+    assert len(PromptStream(records, tok, name="p", max_tokens=10, max_prompt_tokens=12).prompts) == 2
+    assert len(PromptStream(records, tok, max_prompt_tokens=0).prompts) == 3
+    with pytest.raises(ValueError, match=r"3 of 3 prompts .* none is left; shorten the prompts or raise "
+                                         r"generator.max_prompt_tokens"):
+        PromptStream(records, tok, name="p", max_prompt_tokens=2)
+
+
+def test_max_prompt_tokens_is_checked():
+    from async_rlhf.config import GeneratorConfig
+
+    with pytest.raises(ConfigError, match=r"generator.max_prompt_tokens must be >= 0 .*got -1"):
+        GeneratorConfig(max_prompt_tokens=-1)

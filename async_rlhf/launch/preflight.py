@@ -2,9 +2,11 @@
 
 Before Ray, Redis or an engine starts, every reward target is resolved (a function imported, a
 reward-model directory or a URL checked), the data source is read through (every JSONL line, a
-data set's records, a held-out eval file), and the model directory's config and tokenizer files
-are there (a chat template checked where the prompts need one). A problem raises ConfigError
-with the value and the fix; the CLI prints it as one line and exits 2, within seconds."""
+data set's records, a held-out eval file), a Hub id is resolved through this node's Hugging Face
+cache (async_rlhf.hub), and the model directory's config and tokenizer files are there, of a
+family the job can train (no mixture of experts), with a chat template where the prompts need one
+(and one that takes data.system_prompt). A problem raises ConfigError with the value and the fix;
+the CLI prints it as one line and exits 2, within seconds."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 from async_rlhf.config import Config, ConfigError
+from async_rlhf.hub import resolve_model
 
 
 def preflight(cfg: Config) -> None:
@@ -38,7 +41,7 @@ def preflight(cfg: Config) -> None:
     if not cfg.env.target and cfg.data.source == "task" and (env := get_task(cfg.data.task).env):
         raise ConfigError(f"data.task {cfg.data.task!r} is played in episodes: set env.target={env} "
                           "(configs/agent.yaml shows one)")
-    _check_model(cfg, any(isinstance(prompt, list) for prompt, _ in records))
+    _check_model(cfg, records)
 
 
 def load_environment(target: str) -> type:
@@ -73,9 +76,9 @@ def _check_reward(i: int, kind: str, target: str) -> None:
         except (ImportError, AttributeError, ValueError) as e:
             raise ConfigError(f"{key}: {_one_line(e)} (a module:function importable from where "
                               "`train` runs, e.g. actors.tasks:score)") from None
-    elif kind == "model" and not (Path(target) / "config.json").is_file():
+    elif kind == "model" and not (Path(resolve_model(target, key)) / "config.json").is_file():
         raise ConfigError(f"{key} {target!r} is no reward-model directory (no config.json): "
-                          "point it at a saved AutoModelForSequenceClassification")
+                          "point it at a saved AutoModelForSequenceClassification or its Hub id")
     elif kind == "http" and not target.startswith(("http://", "https://")):
         raise ConfigError(f"{key} {target!r} must be an http:// or https:// URL")
 
@@ -86,36 +89,75 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 _CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
-def _check_model(cfg: Config, has_conversations: bool) -> None:
-    """The model directory holds a model config and a tokenizer (unless a preset is to build
-    it), with a chat template where prompts are rendered as chats. Files are read, not loaded:
-    importing transformers alone takes seconds, and the parts that load the model say what fails."""
-    path = Path(cfg.model.path)
+def _check_model(cfg: Config, records: list) -> None:
+    """The model (a directory, or a Hub id resolved through this node's cache) holds a model
+    config of a family the job can train and a tokenizer (unless a preset is to build it), with
+    a chat template where prompts are rendered as chats. Files are read, not loaded: importing
+    transformers alone takes seconds, and the parts that load the model say what fails."""
+    name = cfg.model.path
+    if not (Path(name) / "config.json").is_file() and cfg.model.preset is not None:
+        return  # the launcher builds a random-init model there
+    path = Path(resolve_model(name))
     if not (path / "config.json").is_file():
-        if cfg.model.preset is None:
-            raise ConfigError(
-                f"model.path {str(path)!r} holds no model (no config.json): point it at a Hugging Face "
-                "model directory, or set model.preset=tiny (or small) to build a random-init one there")
-        return
+        raise ConfigError(
+            f"model.path {name!r} holds no model (no config.json): point it at a Hugging Face model "
+            "directory or Hub id, or set model.preset=tiny (or small) to build a random-init one there")
     try:
         config = json.loads((path / "config.json").read_text())
         tokenizer_config = path / "tokenizer_config.json"
         tokenizer_config = json.loads(tokenizer_config.read_text()) if tokenizer_config.is_file() else {}
     except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path {str(path)!r} does not load: {_one_line(e)}") from None
+        raise ConfigError(f"model.path {name!r} does not load: {_one_line(e)}") from None
     if not isinstance(config, dict) or "model_type" not in config:
-        raise ConfigError(f"model.path {str(path)!r}: its config.json names no model_type; save the model "
+        raise ConfigError(f"model.path {name!r}: its config.json names no model_type; save the model "
                           "with model.save_pretrained(...)")
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        raise ConfigError(f"model.path {str(path)!r} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): "
+    _check_family(name, config)
+    if not any((path / n).is_file() for n in _TOKENIZER_FILES):
+        raise ConfigError(f"model.path {name!r} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): "
                           "save one there with tokenizer.save_pretrained(...)")
     template = cfg.data.chat_template
+    has_conversations = any(isinstance(prompt, list) for prompt, _ in records)
     needs_template = template == "on" or (template == "auto" and has_conversations)
     has_template = bool(tokenizer_config.get("chat_template")) or any(
-        (path / name).is_file() for name in _CHAT_TEMPLATE_FILES)
+        (path / n).is_file() for n in _CHAT_TEMPLATE_FILES)
     if needs_template and not has_template:
-        raise ConfigError(f"data.chat_template={template}: the tokenizer at {str(path)!r} has no chat "
+        raise ConfigError(f"data.chat_template={template}: the tokenizer at {name!r} has no chat "
                           "template; give a Jinja file as data.chat_template, or use plain-string prompts")
+    if records and cfg.data.system_prompt and (has_template or template not in ("auto", "on")):
+        _check_system_role(cfg, path, records[0][0])
+
+
+def _check_family(name: str, config: dict) -> None:
+    """Refuse a mixture-of-experts model (its config, or its text config, counts experts, or
+    its model_type ends in _moe): transformers 5 keeps its experts as fused 3-D tensors whose
+    names neither the checkpoint nor vLLM uses, so weight updates cannot be mapped to vLLM."""
+    parts = [part for part in (config, config.get("text_config")) if isinstance(part, dict)]
+    if any(part.get("num_experts") or part.get("num_local_experts")
+           or str(part.get("model_type", "")).endswith("_moe") for part in parts):
+        raise ConfigError(
+            f"model.path {name!r} is a mixture-of-experts model (model_type {config['model_type']}), which "
+            "cannot be trained here yet: transformers 5 holds its experts as fused 3-D tensors whose names "
+            "neither the checkpoint nor vLLM uses, so the learner's weight updates cannot be mapped onto "
+            "the generators; use a dense model (Qwen2.5/Qwen3 dense, Llama 3, Gemma, Mistral, Phi, GPT-2)")
+
+
+def _check_system_role(cfg: Config, path: Path, prompt) -> None:
+    """Render the first prompt with data.system_prompt as the generators will: a template that
+    rejects the system role (Gemma's raises "System role not supported") fails here."""
+    from jinja2 import TemplateError
+    from transformers import AutoTokenizer
+
+    from actors.prompts import ChatRenderer
+
+    render = ChatRenderer.from_config(AutoTokenizer.from_pretrained(path), cfg.data)
+    try:
+        render(prompt, "the first prompt")
+    except TemplateError as e:
+        template = cfg.data.chat_template if Path(cfg.data.chat_template).is_file() else f"model.path {cfg.model.path!r}'s"
+        raise ConfigError(
+            f"data.system_prompt is set, but the chat template of {template} rejects a system message "
+            f"({_one_line(e)}): leave data.system_prompt empty, or give data.chat_template a Jinja file "
+            "that accepts one") from None
 
 
 def _one_line(e: BaseException) -> str:

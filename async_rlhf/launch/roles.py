@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from async_rlhf.config import Config
+from async_rlhf.hub import resolve_model
 from async_rlhf.messages import (CoordinatorSnapshot, EvalResult, GeneratorStats, JobSnapshot, StepMetrics,
                                  SyncAddress)
 from async_rlhf.procs import (RENDEZVOUS_KEY, WORKER_NICE, free_port, interface_of, lower_priority,
@@ -471,7 +472,7 @@ class LearnerWorker:
             if self.rank == 0:  # with its tokenizer: the directory loads as the model it came from
                 from transformers import AutoTokenizer
 
-                AutoTokenizer.from_pretrained(self.cfg.model.path).save_pretrained(export)
+                AutoTokenizer.from_pretrained(resolve_model(self.cfg.model.path)).save_pretrained(export)
             if self.broadcaster is not None:
                 self.broadcaster.close()
             return str(export)

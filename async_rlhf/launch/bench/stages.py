@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from async_rlhf.hub import resolve_model
 from async_rlhf.launch.bench.harness import in_child, warm_then_time
 from async_rlhf.messages import GeneratorStats, StepTimes
 
@@ -130,8 +131,9 @@ def bound_engine(cfg, groups: int) -> StageBound:
     from async_rlhf.launch.bench.gen import continuous_rate
 
     g = cfg.generator
-    prompts = make_prompt_stream(cfg.data, AutoTokenizer.from_pretrained(cfg.model.path), seed=cfg.seed)
-    engine = make_engine(g, cfg.model.path, seed=cfg.seed, model_dtype=cfg.model.dtype)
+    path = resolve_model(cfg.model.path)
+    prompts = make_prompt_stream(cfg.data, AutoTokenizer.from_pretrained(path), seed=cfg.seed)
+    engine = make_engine(g, path, seed=cfg.seed, model_dtype=cfg.model.dtype)
     batch = prompts.take(groups)
     continuous_rate(engine, batch, g.group_size, g.max_inflight, g.max_inflight // g.group_size)  # warm-up
     r = continuous_rate(engine, batch, g.group_size, g.max_inflight, groups)
