@@ -97,16 +97,18 @@ _INSTALL_HINT = (
 # generator's weight_update_s has it), the prefix-cache reset, and one warning per tensor when
 # float32 weights (the learner's, or the checkpoint's at start) load into a bf16 engine, which is
 # the precision generator.dtype chose. Once per learner step, those lines bury the job's own.
-# vLLM's "<Layer>: Failed to load weights" is not filtered: a layer with parameters that an
-# update leaves out fails the update (WeightReloadExtension's check, which names them), and the
-# warning is left for layers that own only buffers (a rotary cache, Gemma's normaliser).
+# vLLM's "<Layer>: Failed to load weights" is dropped only for layers that own no parameter
+# (a rotary cache, Gemma's normaliser: buffers no checkpoint holds, put back as they were); for
+# any other layer it stays, and WeightReloadExtension's check fails the update, naming them.
 _RELOAD_NOISE = {
     "vllm.model_executor.models.utils": (
         _NARROWED := "Attempted to load weight %s with dtype %s into parameter with dtype %s",),
     "vllm.model_executor.model_loader.reload.inplace": (
         "Reloading weights inplace...", "Reloading and processing weights took %.2f seconds"),
+    "vllm.model_executor.model_loader.reload.layerwise": (_NO_WEIGHTS := "%s: Failed to load weights",),
     "vllm.v1.core.block_pool": ("Successfully reset prefix cache",),
 }
+_BUFFER_ONLY_LAYERS: set[str] = set()  # classes of the model's layers that own no parameter
 
 
 class _ReloadNoise(logging.Filter):
@@ -117,6 +119,8 @@ class _ReloadNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg not in self.messages:
             return True
+        if record.msg == _NO_WEIGHTS:
+            return record.args[0] not in _BUFFER_ONLY_LAYERS
         # float32 into the engine's dtype is the cast chosen; others warn
         return record.msg == _NARROWED and record.args[1] != torch.float32
 
@@ -182,6 +186,8 @@ class WeightReloadExtension:
         if metadata == self._checked:
             runner.reload_weights(weights_iterator=iter(named))
             return len(named_tensors)
+        _BUFFER_ONLY_LAYERS.update(type(m).__name__ for m in model.modules()
+                                   if next(m.parameters(recurse=False), None) is None)
         loaded = self._reload_recording(runner, model, named, version)
         expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         if loaded is not None and (unloaded := expected - loaded):
