@@ -155,7 +155,7 @@ class GeneratorConfig(_Section):
     # vllm (continuous batching, in-flight weight updates) or hf (transformers generate)
     engine: Literal["vllm", "hf"] = "vllm"
     count: int = 1  # generator actors at start (`add-generators` adds more while the job runs)
-    group_size: int = 4  # samples per prompt (GRPO's n)
+    group_size: int = 8  # samples per prompt (GRPO's n; TRL's num_generations default)
     # Sequences (group_size per group) a generator holds in its engine at once. vLLM on one
     # CPU thread makes ~4x the tokens/s with 64 in flight that it makes with 8.
     max_inflight: int = 64
@@ -167,7 +167,7 @@ class GeneratorConfig(_Section):
     # (their tokens record which version sampled them). between_groups: a new version waits
     # until the engine is empty (no admission meanwhile), so one version samples all of a group.
     weight_updates: Literal["inflight", "between_groups"] = "inflight"
-    max_new_tokens: int = 16  # the most tokens a response may have
+    max_new_tokens: int = 256  # the most tokens a response may have (TRL's default)
     # The most tokens a prompt (as rendered, template included) may have; 0: no limit besides the
     # model's context minus max_new_tokens. Longer prompts are skipped, never cut (a cut prompt
     # would lose its chat markup or question), and counted in a warning at the generators' start
@@ -286,7 +286,9 @@ class LearnerConfig(_Section):
     ranks: int = 1  # learner processes (data parallel, DeepSpeed)
     threads: int = 1  # torch CPU threads per rank; its Ray actor reserves as many CPUs
     zero_stage: Literal[0, 1, 2, 3] = 0  # DeepSpeed ZeRO stage
-    lr: float = 1e-4  # the policy's learning rate (AdamW)
+    # the policy's learning rate (AdamW): TRL's GRPO default, for a pretrained model (a random-init
+    # one, as the demo's, learns at ~1e-3)
+    lr: float = 1e-6
     # learner steps (policy versions) over which the policy's learning rate rises linearly, from
     # lr / lr_warmup_steps at the first to lr at the last (every minibatch of a step has its lr)
     lr_warmup_steps: int = 0

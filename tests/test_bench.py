@@ -22,7 +22,7 @@ max_staleness: 1
 model: {path: MODEL, preset: tiny}
 data: {source: task, task: count}
 generator: {max_inflight: 8, group_size: 2, max_new_tokens: 8}
-learner: {steps: 2, batch_size: 8, micro_batch: 8, wait_s: 120}
+learner: {steps: 2, batch_size: 8, micro_batch: 8, wait_s: 120, lr: 1.0e-4}
 """
 
 SETTING_KEYS = ("placement", "max_staleness", "generators", "allocation", "mode", "against")

@@ -73,7 +73,7 @@ def test_rewards_list(tmp_path):
         ("bogus=1", "unknown config key 'bogus'"),
         ("data.source=jsonl", "data.path must be set when data.source=jsonl"),
         ("generator.group_size=3", "learner.batch_size must be a multiple of generator.group_size (3)"),
-        ("generator.max_inflight=2", "generator.max_inflight must be >= generator.group_size (4)"),
+        ("generator.max_inflight=2", "generator.max_inflight must be >= generator.group_size (8)"),
         ("generator.schedule=batch", "generator.schedule must be one of 'stream', 'lockstep'"),
         ("generator.weight_updates=never", "generator.weight_updates must be one of 'inflight'"),
         ('generator.stop="###"', "generator.stop must be a list, got '###'"),
@@ -87,7 +87,7 @@ def test_rewards_list(tmp_path):
         ("generator.resources=[1]", "generator.resources must be a mapping, got [1]"),
         ("generator.resources={node_b: 0}", "generator.resources['node_b'] must be > 0, got 0.0"),
         ("generator.resources={GPU: 1}", "generator.resources must be custom resources only: CPUs come"),
-        ("learner.overlong=soft", "learner.overlong_buffer must be in 1..15 with learner.overlong=soft"),
+        ("learner.overlong=soft", "learner.overlong_buffer must be in 1..255 with learner.overlong=soft"),
         ("learner.overlong=cut", "learner.overlong must be one of 'none', 'mask', 'soft'"),
         ("learner.reward_clip=-1", "learner.reward_clip must be >= 0 (0: no clipping), got -1.0"),
         ("env.max_turns=0", "env.max_turns must be > 0, got 0"),
@@ -192,7 +192,7 @@ def test_config_reference_is_docs_config_md_and_gives_every_key_a_meaning(capsys
     assert len(keys) > 60 and "`rewards[i].timeout_s`" in keys and "`eval.samples`" in keys
     missing = [row.split("|")[1].strip() for row in printed.splitlines() if row.startswith("| `") and row.endswith("|  |")]
     assert not missing, f"keys without a comment beside their field in config.py: {missing}"
-    assert "| `learner.lr` | float | `0.0001` |  | the policy's learning rate (AdamW) |" in printed
+    assert "| `learner.lr` | float | `1e-06` |  | the policy's learning rate (AdamW): TRL's GRPO default" in printed
     assert "| `generator.schedule` | choice | `'stream'` | `stream`, `lockstep` |" in printed
 
 
@@ -249,7 +249,7 @@ def test_the_launchers_own_process_imports_no_torch(tmp_path):
         (["data.source=preferences", "data.path=p.jsonl"],
          "learner.algorithm must be dpo with data.source=preferences (the file holds pairs"),
         (["data.source=preferences", "data.path=p.jsonl", "learner.algorithm=dpo"],
-         "generator.group_size must be 2 with data.source=preferences (a group is one pair), got 4"),
+         "generator.group_size must be 2 with data.source=preferences (a group is one pair), got 8"),
         (["data.source=preferences", "data.path=p.jsonl", "learner.algorithm=dpo", "generator.group_size=2",
           "placement=manual", "generator.count=2"], "generator.count must be 1 with data.source=preferences"),
         (["data.source=preferences", "data.path=p.jsonl", "learner.algorithm=dpo", "generator.group_size=2"],

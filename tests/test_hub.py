@@ -74,6 +74,7 @@ def test_a_generator_resolves_a_hub_id_and_applies_max_prompt_tokens(offline_cac
     from async_rlhf.staleness import StalenessGate
 
     cache_hub_model(offline_cache, HUB_ID, tiny_actor_model)
-    cfg = load_config(overrides=[f"model.path={HUB_ID}", "generator.engine=hf", "generator.max_prompt_tokens=5"])
+    cfg = load_config(overrides=[f"model.path={HUB_ID}", "generator.engine=hf", "generator.max_prompt_tokens=5",
+                                   "generator.max_new_tokens=16"])
     with pytest.raises(ValueError, match=r"longer than 5 tokens \(generator.max_prompt_tokens"):
         make_generator(cfg, queue=None, gate=StalenessGate(max_staleness=1, batch_size=4))

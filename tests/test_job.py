@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 TINY = [
     "placement=manual",  # one generator, one learner rank of one thread: start-up bound jobs
     "generator.max_inflight=8", "generator.group_size=2", "generator.max_new_tokens=8",
-    "learner.batch_size=8", "learner.micro_batch=4", "learner.wait_s=120",
+    "learner.batch_size=8", "learner.micro_batch=4", "learner.wait_s=120", "learner.lr=1e-4",
 ]
 
 
