@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -130,14 +131,6 @@ for _name, _messages in _RELOAD_NOISE.items():
     logging.getLogger(_name).addFilter(_ReloadNoise(_messages))
 
 
-def _tied(model: torch.nn.Module) -> dict[str, str]:
-    """vLLM's tied parameters: {alias: the first name of the same tensor}, e.g. a tied model's
-    {"lm_head.weight": "model.embed_tokens.weight"}."""
-    first: dict[int, str] = {}
-    return {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
-            if first.setdefault(id(p), name) != name}
-
-
 class WeightReloadExtension:
     """Mixed into vLLM's worker class (worker_extension_cls); runs inside each worker, where the
     model is: each worker is a weight-sync member of rank (the engine's first rank + its own).
@@ -157,6 +150,15 @@ class WeightReloadExtension:
 
     _receiver_made = threading.Lock()
     _checked: list | None = None  # the metadata of the update last checked in full, this epoch
+
+    @functools.cached_property
+    def tied_weights(self) -> dict[str, str]:
+        """vLLM's tied parameters: {alias: the first name of the same tensor}, e.g. a tied model's
+        {"lm_head.weight": "model.embed_tokens.weight"} (found once: the model's layout is fixed)."""
+        first: dict[int, str] = {}
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
+                if first.setdefault(id(p), name) != name}
 
     @property
     def weight_sync_receiver(self) -> StagedReceiver:
@@ -178,10 +180,9 @@ class WeightReloadExtension:
     def reload_named_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int = -1) -> int:
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()
-        names = {name for name, _ in named_tensors}
         by_name = dict(named_tensors)
-        named = list(named_tensors) + [(alias, by_name[source]) for alias, source in _tied(model).items()
-                                       if source in names and alias not in names]
+        named = list(named_tensors) + [(alias, by_name[source]) for alias, source in self.tied_weights.items()
+                                       if source in by_name and alias not in by_name]
         metadata = [(name, t.dtype, tuple(t.shape)) for name, t in named]
         if metadata == self._checked:
             runner.reload_weights(weights_iterator=iter(named))
