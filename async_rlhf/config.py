@@ -471,6 +471,36 @@ class EnvConfig(_Section):
                "module:Class, e.g. actors.envs:GuessNumber (or empty: no environment)")
 
 
+@dataclass(frozen=True)
+class WandbConfig(_Section):
+    """Weights & Biases: the step scalars TensorBoard gets and the completions table, to one W&B
+    run (`pip install -e ".[wandb]"`; the package is imported only when `project` is set)."""
+
+    _prefix = "log.wandb."
+    project: str = ""  # the W&B project; "": no W&B run
+    entity: str = ""  # the W&B team or user; "": your default entity
+    name: str = ""  # the run's display name; "": the job's name
+    # online: sent as it trains (needs `wandb login` or WANDB_API_KEY); offline: written under
+    # OUT/wandb only, to upload later with `wandb sync`
+    mode: Literal["online", "offline"] = "online"
+
+
+@dataclass(frozen=True)
+class LogConfig(_Section):
+    """What a job writes for people to read besides metrics.jsonl and TensorBoard."""
+
+    _prefix = "log."
+    # every this many steps, a sample of the groups just trained (prompt, responses, reward parts,
+    # advantage, staleness, policy version) to OUT/completions.jsonl, TensorBoard text and W&B; 0: off
+    completions_every: int = 10
+    completions_groups: int = 2  # groups in each such sample
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def _validate(self) -> None:
+        _check(self.completions_every >= 0, "log.completions_every", self.completions_every, ">= 0 (0: off)")
+        self._positive("completions_groups")
+
+
 def _default_rewards() -> tuple[RewardSpec, ...]:
     return (RewardSpec(kind="function", target="actors.tasks:score"),)
 
@@ -493,6 +523,7 @@ class Config(_Section):
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def _validate(self) -> None:
         _check(self.max_staleness >= 0, "max_staleness", self.max_staleness, ">= 0")
@@ -575,6 +606,8 @@ _SECTIONS: dict[str, type] = {
     "stage_costs": StageCosts,
     "eval": EvalConfig,
     "env": EnvConfig,
+    "log": LogConfig,
+    "log.wandb": WandbConfig,
 }
 
 
@@ -598,9 +631,10 @@ def _build(cls: type, raw: Any, where: str) -> Any:
             f"unknown config key {where}{unknown[0]!r}; allowed keys here: {', '.join(sorted(names))}"
         )
     kwargs = dict(raw)
-    for name, section in _SECTIONS.items():
-        if cls is Config and name in kwargs:
-            kwargs[name] = _build(section, kwargs[name], f"{name}.")
+    hints = typing.get_type_hints(cls)
+    for name in kwargs:  # a section, at any depth (log.wandb)
+        if isinstance(hints[name], type) and issubclass(hints[name], _Section):
+            kwargs[name] = _build(hints[name], kwargs[name], f"{where}{name}.")
     if cls is Config and "rewards" in kwargs:
         specs = kwargs["rewards"]
         if not isinstance(specs, list):

@@ -56,6 +56,36 @@ class StepTimes:
 
 
 @dataclass(frozen=True)
+class Completion:
+    """One trained response as people read it (OUT/completions.jsonl): its text, reward as
+    scored and its parts by reward name, its advantage (None for token-level estimators), the
+    oldest version that sampled it and its staleness when trained, and whether it ended by
+    itself (False: cut at the response limit)."""
+
+    response: str
+    reward: float
+    reward_parts: Mapping[str, float]
+    advantage: float | None
+    policy_version: int
+    staleness: int
+    tokens: int
+    finished: bool
+
+
+@dataclass(frozen=True)
+class CompletionGroup:
+    """The responses of one prompt that learner step `step` trained on."""
+
+    step: int
+    prompt: str
+    generator_id: str
+    responses: tuple[Completion, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class StepMetrics:
     """One learner step (one policy version), as Learner.step returns it; loss stats are
     averaged over the step's optimizer steps, samples and tokens are the batch's. `extra`: loss
@@ -97,8 +127,20 @@ class StepMetrics:
     weight_sync_bytes: int = 0
     weight_sync_failures: int = 0
     extra: Mapping[str, float] = field(default_factory=dict)
+    # What the batch's responses look like (learners/samples.py; 0 in rows written before they
+    # existed): model-sampled tokens per response, the share cut at the response limit, the mean
+    # within-group std of the rewards, the share of groups whose rewards are all equal (zero
+    # GRPO/RLOO advantage), each reward's mean by name (reward/<name> in the row)
+    response_len_mean: float = 0.0
+    response_len_max: int = 0
+    response_truncated_frac: float = 0.0
+    reward_group_std: float = 0.0
+    groups_zero_adv_frac: float = 0.0
+    reward_parts: Mapping[str, float] = field(default_factory=dict)
+    # every log.completions_every steps, the first log.completions_groups groups trained (not in the row)
+    completions: tuple[CompletionGroup, ...] = ()
 
-    _NESTED = ("times", "counts", "extra")
+    _NESTED = ("times", "counts", "extra", "reward_parts", "completions")
 
     def to_json(self) -> dict[str, Any]:
         """The flat row: fields, then extra, time_<phase> and count_<name>."""
@@ -107,7 +149,8 @@ class StepMetrics:
         out["reward_by_version"] = {v: list(nr) for v, nr in self.reward_by_version.items()}
         out["trained_by_generator"] = dict(self.trained_by_generator)
         return {**out, **self.extra, **{f"time_{k}": v for k, v in dataclasses.asdict(self.times).items()},
-                **{f"count_{k}": v for k, v in self.counts.items()}}
+                **{f"count_{k}": v for k, v in self.counts.items()},
+                **{f"reward/{k}": v for k, v in self.reward_parts.items()}}
 
     @classmethod
     def from_json(cls, row: Mapping[str, Any]) -> StepMetrics:
@@ -116,12 +159,13 @@ class StepMetrics:
         names = {f.name for f in dataclasses.fields(cls)} - set(cls._NESTED)
         times = {k[5:]: v for k, v in row.items() if k.startswith("time_")}
         counts = {k[6:]: v for k, v in row.items() if k.startswith("count_")}
+        parts = {k[7:]: v for k, v in row.items() if k.startswith("reward/")}
         extra = {k: v for k, v in row.items()
-                 if k not in names and not k.startswith(("time_", "count_"))}
+                 if k not in names and not k.startswith(("time_", "count_", "reward/"))}
         own = {k: v for k, v in row.items() if k in names}
         own["staleness_hist"] = {int(k): v for k, v in row["staleness_hist"].items()}
         own["reward_by_version"] = {int(k): (int(n), float(m)) for k, (n, m) in row["reward_by_version"].items()}
-        return cls(**own, times=StepTimes(**times), counts=counts, extra=extra)
+        return cls(**own, times=StepTimes(**times), counts=counts, extra=extra, reward_parts=parts)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -44,13 +44,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from async_rlhf.config import LearnerConfig
-from async_rlhf.messages import StepMetrics, StepTimes
+from async_rlhf.messages import CompletionGroup, StepMetrics, StepTimes
 from async_rlhf.protocols import ExperienceQueue, ReplayBuffer, TrainBackend, WeightPublisher
 from async_rlhf.types import Group, Received, TrajectoryError
 from learners import advantages as adv_fns
 from learners.batch import Batch, token_staleness
 from learners.losses import NonFiniteError, aggregate, check_finite, kl_penalty, policy_loss, value_loss
 from learners.preference import PreferenceObjective
+from learners.samples import sample_stats
 from learners.schedule import lr_at
 from learners.shaping import Shaping
 
@@ -88,6 +89,7 @@ class Learner:
         publisher: WeightPublisher | None = None,
         ckpt_dir: str | os.PathLike | None = None,
         response_limit: int = 0,
+        completions: Callable[[Sequence[Received], int], tuple[CompletionGroup, ...]] | None = None,
     ):
         self.cfg, self.backend = cfg, backend
         self.rank, self.world = backend.rank, backend.world_size
@@ -104,6 +106,8 @@ class Learner:
         self._last_progress = time.monotonic()  # when data last arrived (learner.wait_s)
         self._giving_up = False  # the job is ending with an error: stop waiting for data
         self.counters: collections.Counter[str] = collections.Counter()
+        # rank 0: (the batch's groups, the version they make) -> the completions to show, or ()
+        self.completions = completions
         self.shaping = Shaping(cfg, response_limit)  # overlong, reward normalisation and clipping
         self._publish = publisher is not None
         if self.world > 1:  # every rank joins the ZeRO-3 gather iff rank 0 publishes
@@ -187,6 +191,8 @@ class Learner:
             times=StepTimes(**timing),
             counts=dict(self.counters),
             extra=extra,
+            **(sample_stats(items) if self.rank == 0 else {}),
+            completions=self.completions(items, self.version) if self.completions and self.rank == 0 else (),
         )
 
     def publish_weights(self, timing: collections.Counter | None = None) -> None:

@@ -417,7 +417,7 @@ class Job:
         if self.evaluator is not None:
             ray.get(self.evaluator.__ray_ready__.remote(), timeout=600)
         self._mark("generators")
-        self.metrics = MetricsLog(self.out, cfg.learner.steps)
+        self.metrics = MetricsLog(self.out, cfg.learner.steps, wandb=self._wandb())
         version = self.start_version
         self._new_epoch()
         while True:
@@ -438,6 +438,14 @@ class Job:
                 print(f"stopping: {reason}")
                 break
         return 0
+
+    def _wandb(self):
+        """The job's W&B run with log.wandb.project, else None (and wandb is never imported)."""
+        if not self.cfg.log.wandb.project:
+            return None
+        from async_rlhf.launch.trackers import WandbRun
+
+        return WandbRun(self.cfg, self.out)
 
     def _step(self) -> StepMetrics:
         """One learner step on every rank, watching the job each second while it runs. A step

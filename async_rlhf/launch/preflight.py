@@ -10,6 +10,7 @@ the CLI prints it as one line and exits 2, within seconds."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -42,6 +43,10 @@ def preflight(cfg: Config) -> None:
         raise ConfigError(f"data.task {cfg.data.task!r} is played in episodes: set env.target={env} "
                           "(configs/agent.yaml shows one)")
     _check_model(cfg, records)
+    if cfg.log.wandb.project and importlib.util.find_spec("wandb") is None:
+        from async_rlhf.launch.trackers import wandb_missing
+
+        raise ConfigError(wandb_missing())
 
 
 def load_environment(target: str) -> type:

@@ -416,11 +416,29 @@ class LearnerWorker:
             publisher=self.broadcaster,
             ckpt_dir=self.out / "checkpoints",
             response_limit=cfg.response_limit,
+            completions=self._completions() if rank == 0 and cfg.log.completions_every else None,
         )
         if self.resume:
             self.learner.resume()
             self.learner.publish_weights()  # kept by the broadcaster for the first epoch
         return here
+
+    def _completions(self):
+        """(a batch's groups, the version they make) -> log.completions_groups of them decoded
+        with the model's tokenizer, every log.completions_every versions; () between."""
+        from transformers import AutoTokenizer
+
+        from learners.samples import completion_groups
+
+        log = self.cfg.log
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.cfg.model.path))
+
+        def completions(items, version: int) -> tuple:
+            if version % log.completions_every:
+                return ()
+            return completion_groups(items, step=version, groups=log.completions_groups,
+                                     advantage=self.cfg.learner.advantage, decode=tokenizer.decode)
+        return completions
 
     def get_version(self) -> int:
         return self.learner.version
