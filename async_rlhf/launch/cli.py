@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": ("async_rlhf.launch.bench.jobs", "async vs sync training throughput, stage bounds, idle and staleness", ""),
     "config": ("async_rlhf.launch.cli", "print the resolved config, its JSON schema (--schema) or its reference (--reference)", "show_config"),
     "study": ("async_rlhf.launch.study", "learning under staleness: held-out reward by k and loss, over seeds", ""),
+    "plot": ("async_rlhf.launch.plot", "PNGs of runs' reward, KL, entropy, length, staleness, throughput and stage times", ""),
 }
 
 
