@@ -2,7 +2,7 @@
 
 Hermetic: before any test (or any module under test) is imported, HOME points at a new empty
 directory, and the variables through which a developer's shell or an earlier run could steer Ray,
-vLLM, torch.distributed, Hugging Face or our own job registry are cleared. A test then sees what a
+vLLM, torch.distributed, Hugging Face, W&B or our own job registry are cleared. A test then sees what a
 fresh machine sees: no ~/.ray, no ~/.cache, no ~/.async-rlhf, whatever this machine ran before.
 (pip's cache is untouched: the venv is built before pytest starts.)
 """
@@ -13,7 +13,7 @@ import uuid
 
 import pytest  # neither reads the environment: the clearing below still comes first
 
-_PREFIXES = ("RAY_", "VLLM_", "HF_", "TRANSFORMERS_", "TORCH_", "DS_", "ASYNC_RLHF_", "XDG_")
+_PREFIXES = ("RAY_", "VLLM_", "HF_", "TRANSFORMERS_", "TORCH_", "DS_", "ASYNC_RLHF_", "XDG_", "WANDB_")
 _NAMES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "GLOO_SOCKET_IFNAME",
           "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "REDIS_URL")
 for _name in [n for n in os.environ if n.startswith(_PREFIXES) or n in _NAMES]:

@@ -28,6 +28,8 @@ import redis
 from async_rlhf.procs import WORKER_NICE, descendants, threads_of
 from buffer.redis_server import EmbeddedRedis
 from helpers import ReplyLosingProxy
+from test_plot import glossary_misses
+from test_trackers import wandb_history
 
 pytestmark = pytest.mark.slow
 
@@ -43,9 +45,9 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "ASYNC_RLHF_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
 
 
-def _train(tmp_path: Path, model_dir: Path, name: str, *overrides: str) -> subprocess.Popen:
+def _train(tmp_path: Path, model_dir: Path, name: str, *overrides: str, python: tuple[str, ...] = ()) -> subprocess.Popen:
     out = tmp_path / name
-    cmd = [sys.executable, "-m", "async_rlhf.launch.cli", "train", "--job", name, "--out", str(out),
+    cmd = [sys.executable, *python, "-m", "async_rlhf.launch.cli", "train", "--job", name, "--out", str(out),
            f"model.path={model_dir}", *TINY, *overrides]
     log = (tmp_path / f"{name}.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(tmp_path))
@@ -128,9 +130,13 @@ def test_pipeline_respects_the_staleness_bound(tmp_path, tiny_actor_model, k):
             proxy = ReplyLosingProxy(server.url, every=3)
             stack.callback(proxy.close)
             through_proxy = [f"queue.redis_url={proxy.url}"]
-        evaluate = ["eval.every=2", "eval.prompts=6", "eval.samples=2"] if k == 2 else []
+        # k = 2 also shows completions every 2 steps and logs to W&B offline; k = 0 lists the
+        # launcher's imports (-X importtime): without log.wandb it never imports wandb
+        shown = ["eval.every=2", "eval.prompts=6", "eval.samples=2", "log.completions_every=2",
+                 "log.wandb.project=async-rlhf-test", "log.wandb.mode=offline"] if k == 2 else []
         proc = _train(tmp_path, tiny_actor_model, name, f"max_staleness={k}", "learner.steps=4",
-                      "data.task=length", "generator.max_new_tokens=64", *through_proxy, *evaluate)
+                      "data.task=length", "generator.max_new_tokens=64", *through_proxy, *shown,
+                      python=("-X", "importtime") if k == 0 else ())
         metrics, summary = _finish(tmp_path, name, proc)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
@@ -149,8 +155,34 @@ def test_pipeline_respects_the_staleness_bound(tmp_path, tiny_actor_model, k):
     else:  # the job's own redis-server: whether its stream survives a restart is said at start
         assert "stream: in memory only (queue.durable=false)" in proc.log_path.read_text()
     print(f"k={k}: {gen['inflight_updates']} of {gen['weight_updates']} updates in flight")
+    assert glossary_misses(metrics) == set()  # docs/metrics.md explains every name of a real row
+    if k == 0:
+        imported = re.findall(r"^import time:\s+\d+ \|\s+\d+ \| +(\S+)$", proc.log_path.read_text(), re.M)
+        assert "async_rlhf.launch.metrics" in imported and not [m for m in imported if m.startswith("wandb")]
     if k == 2:
         _check_heldout_evaluation(tmp_path / name, metrics)
+        _check_completions_and_wandb(tmp_path / name, metrics)
+
+
+def _check_completions_and_wandb(out: Path, metrics: list[dict]) -> None:
+    """completions.jsonl holds the first 2 groups of steps 2 and 4; W&B's history holds every
+    step's scalars and the completions table, as wandb's own reader reads them back."""
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 2, 4, 4]
+    for r in rows:
+        assert r["prompt"] and r["generator_id"] == "gen-0" and len(r["responses"]) == 2
+        for c in r["responses"]:
+            assert 0 <= c["staleness"] <= 2 and c["policy_version"] == r["step"] - 1 - c["staleness"]
+            assert c["reward"] == pytest.approx(sum(c["reward_parts"].values())) and 1 <= c["tokens"] <= 64
+            assert isinstance(c["response"], str) and isinstance(c["finished"], bool)
+        assert sum(c["advantage"] for c in r["responses"]) == pytest.approx(0, abs=1e-5)  # GRPO, within a group
+    history = wandb_history(out, Path(os.environ["HOME"]))
+    steps = [h for h in history if "step" in h]
+    assert [h["step"] for h in steps] == [1, 2, 3, 4]
+    assert [h["reward_mean"] for h in steps] == pytest.approx([m["reward_mean"] for m in metrics])
+    assert [h.get("completions.nrows") for h in steps] == [None, 4, None, 8]  # the table grows
+    evaluated = [e["policy_version"] for m in metrics for e in m.get("evals", [])]
+    assert [h["eval_policy_version"] for h in history if "eval_reward" in h] == evaluated
 
 
 def _check_heldout_evaluation(out: Path, metrics: list[dict]) -> None:

@@ -53,11 +53,12 @@ print([m for m in ("torch", "vllm", "transformers") if m in sys.modules])
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"  # the launcher's process stays free of torch
     history = wandb_history(tmp_path, tmp_path / "home")
-    assert [h["_step"] for h in history] == [1, 2, 3]
-    assert [h["loss"] for h in history] == [0.25] * 3 and all("samples_per_s" in h for h in history)
-    # an evaluation joins the newest step's row, on its own axis (eval_policy_version)
-    assert history[1]["eval_reward"] == 0.25 and history[1]["eval_policy_version"] == 2
-    assert history[2]["completions.nrows"] == 4 and history[2]["completions.ncols"] == 10
-    (table,) = (tmp_path / "wandb").glob("offline-run-*/files/" + history[2]["completions.path"])
+    steps = [h for h in history if "step" in h]  # a row per learner step, one per evaluation
+    assert [h["step"] for h in steps] == [1, 2, 3] and [h["loss"] for h in steps] == [0.25] * 3
+    assert all("samples_per_s" in h and "eval_reward" not in h for h in steps)
+    (evaluation,) = [h for h in history if "eval_reward" in h]
+    assert evaluation["eval_reward"] == 0.25 and evaluation["eval_policy_version"] == 2
+    assert steps[2]["completions.nrows"] == 4 and steps[2]["completions.ncols"] == 10
+    (table,) = (tmp_path / "wandb").glob("offline-run-*/files/" + steps[2]["completions.path"])
     rows = json.loads(table.read_text())
     assert rows["columns"][:3] == ["step", "prompt", "response"] and rows["data"][0][:4] == [3, "p0", "r0", 1.0]

@@ -117,10 +117,11 @@ class MetricsLog:
         self.jsonl.flush()
         self.last_version = version
         self._scalars(record.scalars(), version)
+        groups = record.metrics.completions
         if self.wandb is not None:
-            self.wandb.log(record.scalars(), version)
+            self.wandb.step(record.scalars(), groups)
         print(record.console_line(self.steps), flush=True)
-        if groups := record.metrics.completions:
+        if groups:
             self._completions(groups, version)
             print(completion_line(groups[0]), flush=True)
 
@@ -143,8 +144,6 @@ class MetricsLog:
         meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="text"))
         value = Summary.Value(tag="completions", metadata=meta, tensor=tensor)
         self.tb.add_event(Event(wall_time=time.time(), step=version, summary=Summary(value=[value])))
-        if self.wandb is not None:
-            self.wandb.completions(groups, version)
 
     def evaluation(self, e: EvalResult) -> None:
         self._scalars(e.scalars(), e.policy_version)

@@ -33,24 +33,32 @@ class WandbRun:
         self.wandb = wandb
         self.run = wandb.init(project=w.project, entity=w.entity or None, name=w.name or cfg.job, mode=w.mode,
                               dir=str(out), config=yaml.safe_load(cfg.to_yaml()), job_type="train")
-        # evaluations arrive after the steps they evaluated: their own x axis
-        self.run.define_metric("eval_policy_version")
-        self.run.define_metric("eval_*", step_metric="eval_policy_version")
         self.rows: list[list] = []  # every completion shown so far: W&B tables are logged whole
-        self.step = 0  # the newest step logged: W&B drops a row logged at an older one
+        self.axes: dict[str, str] = {}  # key -> the key it is plotted against
 
-    def log(self, scalars: Mapping[str, float], step: int) -> None:
-        self.step = step
-        self.run.log(dict(scalars), step=step)
+    def _against(self, keys, axis: str) -> None:
+        """Plot `keys` against `axis`, not W&B's own row counter: a row per learner step and one
+        per evaluation, which arrives after the steps that followed the version it evaluated."""
+        for key in set(keys) - set(self.axes) - {axis}:
+            self.run.define_metric(key, step_metric=axis)
+            self.axes[key] = axis
+
+    def step(self, scalars: Mapping[str, float], completions: tuple[CompletionGroup, ...] = ()) -> None:
+        """A learner step's row (`step` is the version it made), with the completions table
+        when it shows some."""
+        row: dict = dict(scalars)
+        if completions:
+            self.rows += [[g.step, g.prompt, c.response, c.reward, str(dict(c.reward_parts)), c.advantage,
+                           c.staleness, c.policy_version, c.tokens, c.finished]
+                          for g in completions for c in g.responses]
+            row["completions"] = self.wandb.Table(columns=COLUMNS, data=self.rows)
+        self._against(row, "step")
+        self.run.log(row)
 
     def evaluation(self, scalars: Mapping[str, float], version: int) -> None:
-        self.run.log({**scalars, "eval_policy_version": version}, step=self.step)
-
-    def completions(self, groups: tuple[CompletionGroup, ...], step: int) -> None:
-        self.rows += [[g.step, g.prompt, c.response, c.reward, str(dict(c.reward_parts)), c.advantage,
-                       c.staleness, c.policy_version, c.tokens, c.finished]
-                      for g in groups for c in g.responses]
-        self.run.log({"completions": self.wandb.Table(columns=COLUMNS, data=self.rows)}, step=step)
+        row = {**scalars, "eval_policy_version": version}
+        self._against(row, "eval_policy_version")
+        self.run.log(row)
 
     def finish(self) -> None:
         self.run.finish()
