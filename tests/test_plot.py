@@ -12,6 +12,7 @@ import pytest
 
 from async_rlhf.launch.cli import main
 from async_rlhf.launch.metrics import MetricsLog, StepRecord
+from async_rlhf.launch.progress import Progress, eta_text
 from async_rlhf.messages import EvalResult
 from test_messages import _gen, _step
 
@@ -68,3 +69,11 @@ def test_the_glossary_explains_every_name_a_row_holds(tmp_path):
     # every StepMetrics field is in a row (completions go to completions.jsonl instead)
     fields = {f.name for f in dataclasses.fields(_step(1))} - {"times", "counts", "extra", "reward_parts", "completions"}
     assert fields <= set(rows[0])
+
+
+def test_progress_bar_and_eta_only_on_a_terminal():
+    bar = Progress(60, "steps", start=100.0, shown=True)
+    assert bar.bar(15, now=130.0) == "[#####...............] 15/60 steps, eta 1m30s"  # 2 s a step, 45 to go
+    assert bar.bar(60, now=220.0) == "[####################] 60/60 steps"
+    assert eta_text(3725) == "1h02m" and eta_text(42.4) == "42s"
+    assert Progress(60, "steps", shown=False).bar(15) == ""  # a log file or pipe: the plain lines only

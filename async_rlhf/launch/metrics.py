@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from async_rlhf.launch.progress import Progress
 from async_rlhf.messages import CompletionGroup, EvalResult, GeneratorStats, GeneratorTotals, StepMetrics
 
 if TYPE_CHECKING:
@@ -105,6 +106,7 @@ class MetricsLog:
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self.steps = steps  # the job's learner.steps, for the console line
+        self.progress: Progress | None = None  # from the first step written: start-up is no step's time
         self.tb = EventFileWriter(str(out / "tensorboard"))
         self.jsonl = (out / "metrics.jsonl").open("a")  # a resumed job appends
         self.completions = (out / "completions.jsonl").open("a")
@@ -120,7 +122,10 @@ class MetricsLog:
         groups = record.metrics.completions
         if self.wandb is not None:
             self.wandb.step(record.scalars(), groups)
-        print(record.console_line(self.steps), flush=True)
+        if self.progress is None:
+            self.progress = Progress(self.steps - version + 1, "steps", start=time.monotonic() - record.step_s)
+        bar = self.progress.bar(self.progress.total - (self.steps - version))
+        print(record.console_line(self.steps) + (f"  {bar}" if bar else ""), flush=True)
         if groups:
             self._completions(groups, version)
             print(completion_line(groups[0]), flush=True)

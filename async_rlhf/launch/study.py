@@ -246,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
     from actors.tasks import examples, prompt_blind_ceiling
     from async_rlhf.config import load_config
     from async_rlhf.launch import cluster
+    from async_rlhf.launch.progress import Progress
 
     cfg = load_config(args.config, args.overrides)
     if not cfg.eval.every:
@@ -264,6 +265,8 @@ def run(args: argparse.Namespace) -> int:
     if kept:
         print(f"{len(kept)} runs of the study in {out} have this config: kept; {len(todo)} to run", flush=True)
     start = time.time()
+    progress = Progress(len(todo), "runs")
+    finished = []
     with cluster.start_local_cluster(num_cpus=per_run * args.parallel) as head:
         os.environ.update(cluster.ray_env(head.token_path))  # the runs' drivers use its token
         stop = threading.Event()
@@ -273,6 +276,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{r['name']}: {r['wall_s']:.0f} s, held-out reward "
                   f"{r['curve'][0]['eval_reward']:.3f} -> {r['curve'][-1]['eval_reward']:.3f}, "
                   f"staleness {r['staleness_hist']}", flush=True)
+            finished.append(r["name"])
+            if bar := progress.bar(len(finished)):
+                print(f"study: {bar}", flush=True)
             return r
 
         pool = ThreadPoolExecutor(args.parallel)

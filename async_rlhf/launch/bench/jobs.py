@@ -60,6 +60,7 @@ from async_rlhf.launch.bench.harness import Target, save
 from async_rlhf.launch.bench.report import (BenchReport, Run, Setting, baseline, best_async, plot, summarise,
                                             verdicts, write_markdown)
 from async_rlhf.launch.cli import int_list
+from async_rlhf.launch.progress import Progress
 from async_rlhf.procs import run_child
 
 # generator.schedule and generator.weight_updates of each --modes name
@@ -186,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     before = stages.measure(cfg, out / "bounds" / "before", "before", args.warmup, args.bound_steps)
     jobs = settings(args, cfg, stages.Bounds.best([before]))
     runs = []
+    progress = Progress(len(jobs), "settings")
     for s in jobs:
         print(f"setting {s.name}: {s.allocation} (load {stages.load_average()})", flush=True)
         runs.append(r := run_setting(args, s, out, steps))
@@ -196,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
               f"{w.staleness_token_mean:.2f}), reward {w.reward_final:.3f}, load {r.load_before}->"
               f"{r.load_after}; from the command: first step {w.first_step_s:.1f} s, reward 0.9 "
               f"{w.reward_s['0.9']} s, end {r.job_wall_s:.1f} s, shutdown {w.shutdown_s} s", flush=True)
+        if bar := progress.bar(len(runs)):
+            print(f"bench: {bar}", flush=True)
     try:
         measured = [before, stages.measure(cfg, out / "bounds" / "after", "after", args.warmup, args.bound_steps)]
     except RuntimeError as e:  # the settings' results still count: report the first bounds
