@@ -235,7 +235,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
             if report["blind_ceiling"] is not None:  # known for the pick task only
                 ax.axhline(report["blind_ceiling"], color="grey", linestyle=":", label="prompt-blind ceiling")
-            ax.set_title(loss)
+            ax.set_title(f"Held-out reward by staleness bound k: {loss}")
             ax.set_xlabel("trained samples")
         axes[0][0].set_ylabel(f"held-out reward ({metric}); band: seeds' min-max")
         axes[0][0].legend()

@@ -312,6 +312,7 @@ def plot(report: BenchReport, path: Path) -> None:
         ax.axhline(report.bounds.min_samples_per_s, color="k", ls="--", label="stage bound")
         ax.legend()
         ax.set_ylabel("trained samples / s")
+        ax.set_title("Throughput by setting (grey: k = 0, orange: colocated)")
         ax.tick_params(axis="x", rotation=45, labelsize=7)
         ax = axes[0][1]
         x = range(len(runs))
@@ -319,6 +320,7 @@ def plot(report: BenchReport, path: Path) -> None:
         ax.bar([i + 0.2 for i in x], [r.window.learner_idle for r in runs], width=0.4, label="learner idle")
         ax.set_xticks(list(x), names, rotation=45, fontsize=7)
         ax.set_ylabel("idle fraction")
+        ax.set_title("Idle time of each stage")
         ax.legend()
         for r in runs:
             c = r.window.policy_curve
@@ -326,6 +328,8 @@ def plot(report: BenchReport, path: Path) -> None:
             axes[1][1].plot([p["time"] for p in c], [p["reward"] for p in c], label=r.setting.name)
         axes[1][0].set_xlabel("samples trained to make the policy")
         axes[1][1].set_xlabel("when the policy was made, seconds from the command's start")
+        axes[1][0].set_title("Reward by samples trained")
+        axes[1][1].set_title("Reward by wall time")
         for ax in axes[1]:
             ax.set_ylabel("mean reward of the policy's samples")
         axes[1][1].legend(fontsize=7)
