@@ -107,3 +107,14 @@ async def calculator_agent(client, prompt: Prompt) -> float:
     reply = await client.chat.completions.create(model="policy", messages=messages)
     answer = re.search(r"-?\d+", reply.choices[0].message.content)
     return positional_match(answer.group() if answer else "", str(evaluate(question)))
+
+
+async def refine_agent(client, prompt: Prompt) -> None:
+    """Asks, then asks the model to improve on its answer; the configured rewards score the
+    second answer (None). The pattern of self-refining agents, on any task."""
+    messages = [{"role": "user", "content": prompt.text}]
+    first = await client.chat.completions.create(model="policy", messages=messages)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Improve your answer."}]
+    await client.chat.completions.create(model="policy", messages=messages)
+    return None
