@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from actors.agents import AgentEngine, _reward, chain
 from actors.generator import Generator
 from actors.model_init import build_bpe_tokenizer
-from actors.openai_server import Call, CallRequest, chat_prompt, completion_prompt
+from actors.openai_server import Call, CallRequest, Endpoint, chat_prompt, completion_prompt
 from actors.prompts import PromptStream
 from actors.rewards import Scorer
 from async_rlhf.config import ConfigError, RewardSpec, load_config
@@ -83,11 +83,30 @@ def test_history_keeps_the_ids_that_were_sampled_not_a_retokenization():
         " more", add_special_tokens=False)]
 
 
+def test_tool_calls_are_parsed_by_the_vllm_parser_env_tool_parser_names():
+    tok = build_bpe_tokenizer()
+    tok.add_tokens(["<tool_call>", "</tool_call>"])  # Hermes' markers, as its models' tokenizers hold them
+    endpoint = Endpoint(None, tok, key="k", temperature=TEMPERATURE, host="127.0.0.1", tool_parser="hermes")
+    body = {"model": "policy", "messages": [{"role": "user", "content": "3+5?"}], "tools": [{"type": "function",
+            "function": {"name": "calc", "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}]}
+    message = endpoint._parse_tools(body, 'ok <tool_call>{"name": "calc", "arguments": {"expr": "3+5"}}</tool_call>')
+    (call,) = message["tool_calls"]
+    assert message["content"] == "ok " and call["function"] == {"name": "calc", "arguments": '{"expr": "3+5"}'}
+    assert endpoint._parse_tools(body, "just text") == {"role": "assistant", "content": "just text"}
+    with pytest.raises(ValueError, match="env.tool_parser='nope' is not one of vLLM's tool parsers"):
+        Endpoint(None, tok, key="k", temperature=TEMPERATURE, host="127.0.0.1", tool_parser="nope")
+
+
 def test_agent_config_is_checked_once():
     with pytest.raises(ConfigError, match="env.agent"):
         load_config(None, ["env.agent=actors.envs:calculator_agent", "env.target=actors.envs:Calculator"])
     with pytest.raises(ConfigError, match="module:function"):
         load_config(None, ["env.agent=calculator_agent"])
+    from async_rlhf.launch.preflight import load_agent
+
+    assert load_agent("actors.envs:calculator_agent")
+    with pytest.raises(ConfigError, match="'actors.envs:evaluate' is no agent: it must be `async def"):
+        load_agent("actors.envs:evaluate")
 
 
 # ---- on the real engine ----------------------------------------------------------------------
