@@ -222,7 +222,7 @@ class AgentEngine:
         self._events.put(("call", e, request, future, budget))
         try:
             call = await future
-        except asyncio.CancelledError:
+        except BaseException:  # aborted, refused or cancelled: nothing was sampled
             e.budget += budget
             raise
         e.budget += budget - len(call.sample.response_ids)

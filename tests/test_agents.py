@@ -210,7 +210,7 @@ def test_an_agents_calls_are_one_trajectory_of_sampled_ids_exact_across_an_updat
 def test_agents_that_raise_hang_or_return_nan_are_set_aside_and_the_endpoint_wants_its_key(engine, bpe_actor_model):
     tok = AutoTokenizer.from_pretrained(bpe_actor_model)
     Script.proceed.set()
-    agents = _agents(engine, tok, timeout_s=2.0)
+    agents = _agents(engine, tok, timeout_s=4.0)  # the hanging agent sleeps 30 s; the others need ~0.2
     agents.submit("open", Prompt("p", (), "ask 1"), 1)  # an open episode: the key is checked before it
     url = agents.endpoint.base_url(agents._groups["open"].episodes[0].token)
     with pytest.raises(openai.AuthenticationError, match="API key"):
