@@ -1,5 +1,6 @@
 """Built-in environments for multi-turn episodes (actors/episodes.py), each the environment of a
-built-in task's prompts (actors/tasks.py: calc, guess) that a random-init model learns on CPU.
+built-in task's prompts (actors/tasks.py: calc, guess) that a random-init model learns on CPU,
+and an agent (actors/agents.py) for the calc task that calls the model through the OpenAI client.
 
 An environment is a class named `module:Class` in env.target, built once per episode with
 env.args; `latency_s` (both here) makes every step wait that long, as a remote tool would,
@@ -22,6 +23,13 @@ turn's first digit is a guess; the reply is `higher `, `lower ` or, for a turn w
 digit, `digit? `. A right guess ends the episode with reward 1 - 0.25 x (turns before it),
 never below 0.25; otherwise the reward is 0. Guessing at random scores about 0.4; using the
 replies, up to 1.
+
+calculator_agent (env.agent, task calc, a model with a chat template): an agent as users write
+them. It asks the model the question; the model's reply is a calculator call (`3+5?`: the
+expression before the `?`, or the question's where it wrote none); the agent adds the
+calculator's answer (`=8`) as a tool message and asks again; the reward is `positional_match`
+of the second answer's first number with the question's result. The model learns to copy the
+number it reads into its answer.
 """
 
 from __future__ import annotations
@@ -85,3 +93,28 @@ class GuessNumber:
         if guess == self.secret:
             return "", True, max(0.25, 1.0 - 0.25 * (self.turns - 1))
         return ("higher " if guess < self.secret else "lower "), False, 0.0
+
+
+async def calculator_agent(client, prompt: Prompt) -> float:
+    """Two chat calls per episode with a calculator between them (see the module doc)."""
+    question = prompt.text.removeprefix("calc ").removesuffix("=")
+    messages = [{"role": "user", "content": prompt.text}]
+    call = await client.chat.completions.create(model="policy", messages=messages)
+    asked = call.choices[0].message.content
+    written = evaluate(asked.split("?")[0].split(" ")[-1])
+    messages += [{"role": "assistant", "content": asked},
+                 {"role": "tool", "content": f"={evaluate(question) if written is None else written}"}]
+    reply = await client.chat.completions.create(model="policy", messages=messages)
+    answer = re.search(r"-?\d+", reply.choices[0].message.content)
+    return positional_match(answer.group() if answer else "", str(evaluate(question)))
+
+
+async def refine_agent(client, prompt: Prompt) -> None:
+    """Asks, then asks the model to improve on its answer; the configured rewards score the
+    second answer (None). The pattern of self-refining agents, on any task."""
+    messages = [{"role": "user", "content": prompt.text}]
+    first = await client.chat.completions.create(model="policy", messages=messages)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Improve your answer."}]
+    await client.chat.completions.create(model="policy", messages=messages)
+    return None

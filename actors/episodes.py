@@ -254,9 +254,13 @@ class EpisodeEngine:
 
 
 def episodes_of(cfg: Config, engine: GenerationEngine, tokenizer) -> GenerationEngine:
-    """`engine` playing cfg.env's episodes (as is without an env.target): the generators' and
-    the evaluator's."""
+    """`engine` playing cfg.env's episodes, an environment's or an agent's (actors/agents.py; as
+    is without either): the generators' and the evaluator's."""
     env = cfg.env
+    if env.agent:
+        from actors.agents import agents_of
+
+        return agents_of(cfg, engine, tokenizer)
     if not env.target:
         return engine
     make_env = functools.partial(load_function(env.target, "env.target"), **env.args)

@@ -59,6 +59,7 @@ from async_rlhf.messages import GeneratorStats
 from async_rlhf.protocols import AdmissionGate, ExperienceQueue, GenerationEngine
 from async_rlhf.types import Group, Prompt, Sample, Trajectory, TrajectoryError
 
+from actors.agents import AgentEngine
 from actors.episodes import EpisodeEngine, episodes_of
 from actors.prompts import PromptStream, make_prompt_stream
 from actors.rewards import Scored, Scorer
@@ -352,7 +353,8 @@ class Generator:
 
     def _trajectory(self, flight: _Flight, sample: Sample, result: Scored, gen_s: float) -> Trajectory:
         return Trajectory(
-            prompt_ids=np.asarray(flight.prompt.token_ids, dtype=np.int32),
+            prompt_ids=np.asarray(flight.prompt.token_ids if sample.prompt_ids is None else sample.prompt_ids,
+                                  dtype=np.int32),
             response_ids=sample.response_ids,
             behavior_logprobs=sample.behavior_logprobs,
             reward=result.reward,
@@ -425,7 +427,8 @@ class Generator:
             tokens_per_s=self._counts["tokens"] / gen_s if gen_s else 0.0,
             last_mean_reward=self._last_reward,
             **({"episodes": self.engine.episodes, "turns": self.engine.turns, "env_s": self.engine.env_s}
-               if isinstance(self.engine, EpisodeEngine) else {}),
+               if isinstance(self.engine, (EpisodeEngine, AgentEngine)) else {}),
+            **({"rewrites": self.engine.rewrites} if isinstance(self.engine, AgentEngine) else {}),
         )
 
 

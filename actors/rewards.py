@@ -205,7 +205,7 @@ class Scorer:
         (episodes, actors/episodes.py), else this scorer's on their text (so samples scored
         together are never scored two ways)."""
         if any(s.failure for s in samples) or all(s.reward is not None for s in samples):
-            return [Scored(failure=s.failure) if s.failure else Scored(s.reward, {"env": s.reward})
+            return [Scored(failure=s.failure) if s.failure else Scored(s.reward, s.reward_parts or {"env": s.reward})
                     for s in samples]
         return self.score(prompts, [s.text for s in samples])
 

@@ -459,9 +459,18 @@ class EnvConfig(_Section):
     # None); either may be async. "": no environment, one completion per sample.
     target: str = ""
     args: dict[str, int | float | str | bool] = field(default_factory=dict)  # the class's keyword arguments
-    max_turns: int = 4  # model turns per episode; one that reaches it without `done` is cut there
-    max_tokens: int = 64  # response tokens per episode, turns and observations together
-    # an environment call that takes longer fails its episode: the group is set aside, counted
+    # module:function of an agent (instead of a target; actors/agents.py): `async def agent(client:
+    # openai.AsyncOpenAI, prompt) -> reward` (a float, {"reward": float, <part>: float}, or None:
+    # the rewards score its last answer), its calls served by the generator's engine
+    agent: str = ""
+    # one of vLLM's tool parsers (e.g. hermes) for the `tool_calls` of an agent's chat replies;
+    # "": replies are plain text
+    tool_parser: str = ""
+    max_turns: int = 4  # model turns (an agent's calls) per episode; a target's is cut there
+    # response tokens per episode: a target's turns and observations together, an agent's sampled ones
+    max_tokens: int = 64
+    # an environment call (or an agent's whole episode) that takes longer fails its episode: the
+    # group is set aside, counted
     timeout_s: float = 30.0
     concurrency: int = 64  # threads for environments' plain (not async) methods, per generator
 
@@ -469,6 +478,10 @@ class EnvConfig(_Section):
         self._positive("max_turns", "max_tokens", "timeout_s", "concurrency")
         _check(not self.target or ":" in self.target, "env.target", self.target,
                "module:Class, e.g. actors.envs:GuessNumber (or empty: no environment)")
+        _check(not self.agent or ":" in self.agent, "env.agent", self.agent,
+               "module:function, e.g. actors.envs:calculator_agent (or empty: no agent)")
+        _check(not (self.agent and self.target), "env.agent", self.agent,
+               f"empty while env.target is set ({self.target}): an episode has an environment or an agent")
 
 
 @dataclass(frozen=True)
@@ -552,7 +565,7 @@ class Config(_Section):
             _check(self.placement == "manual", "placement", self.placement,
                    "manual with data.source=preferences (no generation to size stages for: the "
                    "one producer needs no core of its own; set learner.threads/ranks by hand)")
-        if self.env.target:
+        if self.env.target or self.env.agent:
             self._validate_episodes()
         if self.learner.overlong == "soft":  # the penalty ramps over the buffer's last tokens
             _check(0 < self.learner.overlong_buffer < self.response_limit, "learner.overlong_buffer",
@@ -568,12 +581,14 @@ class Config(_Section):
 
     @property
     def response_limit(self) -> int:
-        """The most tokens a response may have: env.max_tokens for episodes, else
+        """The most tokens a response may have: env.max_tokens for episodes (an agent's
+        calls sample at most that many; the text between them comes on top), else
         generator.max_new_tokens."""
-        return self.env.max_tokens if self.env.target else self.generator.max_new_tokens
+        return self.env.max_tokens if self.env.target or self.env.agent else self.generator.max_new_tokens
 
     def _validate_episodes(self) -> None:
-        why = f"with env.target={self.env.target!r} (episodes)"
+        why = f"with env.target={self.env.target!r} (episodes)" if self.env.target else \
+            f"with env.agent={self.env.agent!r} (episodes)"
         _check(self.generator.engine == "vllm", "generator.engine", self.generator.engine,
                f"vllm {why}: their turns are continuously batched")
         _check(self.learner.algorithm == "ppo", "learner.algorithm", self.learner.algorithm,

@@ -253,6 +253,9 @@ class GeneratorStats:
     episodes: int = 0  # with env.target: episodes ended, their model turns, seconds in environment calls
     turns: int = 0
     env_s: float = 0.0
+    # with env.agent: calls left out of their episode's trajectory, a later call having
+    # rewritten the history they were part of (actors/agents.py)
+    rewrites: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -278,6 +281,7 @@ class GeneratorTotals:
     episodes: float = 0.0
     turns: float = 0.0
     env_s: float = 0.0
+    rewrites: float = 0.0
 
     @classmethod
     def of(cls, stats: Iterable[GeneratorStats]) -> GeneratorTotals:

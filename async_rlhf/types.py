@@ -75,6 +75,10 @@ class Sample:
     observation_spans: ObservationSpans = ()
     reward: float | None = None
     failure: tuple[str, str] | None = None
+    # An agent's (actors/agents.py): its named reward parts, and the prompt its trajectory starts
+    # from (its first call's, which the agent wrote), else None: the group's prompt.
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    prompt_ids: np.ndarray | None = None
 
     @property
     def policy_version(self) -> int:

@@ -263,6 +263,24 @@ def test_an_agent_job_trains_on_episodes_with_a_slow_tool_and_accounts_for_every
     assert AutoTokenizer.from_pretrained(tmp_path / "agent" / "policy").encode("calc 1+2=")
 
 
+def test_an_agent_over_the_openai_client_makes_two_calls_per_episode_and_learns(tmp_path, bpe_actor_model):
+    """env.agent: actors.envs:refine_agent asks through a real openai.AsyncOpenAI client, then
+    asks again after its answer; the count task's reward scores the second answer. The reward
+    rises, the step line shows 2 model turns per episode, every episode's two calls made one
+    trajectory (no rewrite), nothing is set aside or lost."""
+    proc = _train(tmp_path, bpe_actor_model, "agent-openai", "data.task=count", "env.agent=actors.envs:refine_agent",
+                  "env.max_turns=2", "env.max_tokens=32", "generator.max_new_tokens=16", "learner.lr=3e-3",
+                  "learner.steps=20")
+    metrics, summary = _finish(tmp_path, "agent-openai", proc)
+    _check_accounting(summary)
+    assert summary["set_aside"] == {} and len(metrics) == 20, summary
+    rewards = [m["reward_mean"] for m in metrics]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.15, rewards
+    assert "turns/episode 2.00" in proc.log_path.read_text()
+    (gen,) = summary["generators"]
+    assert gen["turns"] == 2 * gen["episodes"] > 0 and gen["rewrites"] == 0, gen
+
+
 def _response_logps(model_dir, tokenizer_dir, rows) -> "torch.Tensor":
     """log p(chosen | prompt), log p(rejected | prompt) [len(rows), 2] under the model in
     model_dir, each response ended with EOS as actors/preferences.py puts it."""

@@ -316,9 +316,9 @@ class VLLMEngine:
         return self._engine.get_num_unfinished_requests()  # a group's samples count apart
 
     def submit(self, key: str, prompt: Prompt, n: int, *, greedy: bool = False,
-               max_tokens: int | None = None) -> None:
+               max_tokens: int | None = None, stop: Sequence[str] = ()) -> None:
         """Start n samples of `prompt` (`greedy`, for tests and evaluation: argmax tokens) of
-        at most `max_tokens` tokens (None: max_new_tokens)."""
+        at most `max_tokens` tokens (None: max_new_tokens), ended also by `stop` strings."""
         from vllm.inputs import TokensPrompt
 
         params = self._sampling_params(
@@ -326,7 +326,7 @@ class VLLMEngine:
             temperature=0.0 if greedy else self.temperature,
             top_p=1.0 if greedy else self.top_p,
             max_tokens=max_tokens or self.max_new_tokens,
-            stop=list(self.stop),
+            stop=[*self.stop, *stop],
             logprobs=0,  # the sampled token's own log-prob
             output_kind=self._final_only,  # the default re-sends every token at every step
         )

@@ -29,6 +29,8 @@ def preflight(cfg: Config) -> None:
         _check_reward(i, spec.kind, spec.target)
     if cfg.env.target:
         load_environment(cfg.env.target)
+    if cfg.env.agent:
+        load_agent(cfg.env.agent)
     try:
         if cfg.data.source == "preferences":  # records without a prompt are dead-lettered later
             key = cfg.data.prompt_key
@@ -39,7 +41,7 @@ def preflight(cfg: Config) -> None:
             read_jsonl(cfg.eval.prompts)
     except (OSError, ValueError, KeyError, ImportError) as e:
         raise ConfigError(_one_line(e)) from None
-    if not cfg.env.target and cfg.data.source == "task" and (env := get_task(cfg.data.task).env):
+    if not cfg.env.target and not cfg.env.agent and cfg.data.source == "task" and (env := get_task(cfg.data.task).env):
         raise ConfigError(f"data.task {cfg.data.task!r} is played in episodes: set env.target={env} "
                           "(configs/agent.yaml shows one)")
     _check_model(cfg, records)
@@ -63,6 +65,23 @@ def load_environment(target: str) -> type:
         raise ConfigError(f"env.target {target!r} is no environment class: it needs methods reset(prompt) "
                           "and step(response) (see actors/envs.py)")
     return cls
+
+
+def load_agent(target: str):
+    """The agent function env.agent names; ConfigError when it is not there or not `async def`."""
+    import inspect
+
+    from actors.rewards import load_function
+
+    _importable_here()
+    try:
+        fn = load_function(target, "env.agent", "module:function, e.g. actors.envs:calculator_agent")
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{_one_line(e)} (a function importable from where `train` runs)") from None
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"env.agent {target!r} is no agent: it must be `async def agent(client, prompt)` "
+                          "(see actors/envs.py: calculator_agent)")
+    return fn
 
 
 def _importable_here() -> None:
