@@ -163,7 +163,7 @@ class DeepSpeedBackend(HeldModels):
             "train_micro_batch_size_per_gpu": cfg.micro_batch,
             "gradient_accumulation_steps": per_step // (cfg.micro_batch * self.world_size),
             "gradient_clipping": cfg.grad_clip,
-            "zero_optimization": {"stage": cfg.zero_stage},
+            "zero_optimization": self._zero_config(),
             "bf16": {"enabled": self.dtype == torch.bfloat16},
             # the engine's forward keeps our autocast only when it is configured here too
             # (deepspeed/runtime/torch_autocast.py autocast_if_enabled turns an outer one off);
@@ -171,8 +171,22 @@ class DeepSpeedBackend(HeldModels):
             "torch_autocast": {"enabled": self.autocast is not None, "dtype": "bfloat16",
                                "lower_precision_safe_modules": []},
             "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,  # offloaded states step with torch's AdamW too
             "steps_per_print": 1 << 30,
         }
+
+    def _zero_config(self) -> dict[str, Any]:
+        """ZeRO's section: the stage, its offloads, and communication buckets of 50M elements
+        (DeepSpeed's default, 500M, makes a 2 GB float32 buffer on every rank)."""
+        cfg, pin = self.cfg, self.device != "cpu"
+        zero: dict[str, Any] = {"stage": cfg.zero_stage}
+        if cfg.zero_stage:
+            zero.update(reduce_bucket_size=50_000_000, allgather_bucket_size=50_000_000)
+        if cfg.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        if cfg.offload_params:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+        return zero
 
     # -- forward / backward ----------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, critic: bool = False) -> None:
