@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from async_rlhf.config import ConfigError, load_config
-from async_rlhf.launch.placement import apply_placement, choose_placement
+from async_rlhf.launch.placement import _candidates, apply_placement, choose_placement
 
 
 def test_shared_cores_learner_everywhere_generators_their_share():
@@ -115,3 +115,53 @@ def test_config_checks_placement_keys():
     with pytest.raises(ConfigError, match=r"generator.count must be left out with placement: auto, which sizes "
                                           r"it \(or set placement: manual\), got 2"):
         load_config(None, ["generator.count=2"])
+
+
+# Qwen2.5-0.5B's and Qwen2.5-7B's config.json (the shape the estimate reads)
+QWEN_05B = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+            "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+            "tie_word_embeddings": True, "max_position_embeddings": 32768}
+QWEN_7B = {**QWEN_05B, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+           "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
+
+
+def test_the_shape_counts_parameters_as_the_models_do():
+    from async_rlhf.launch.memory import ModelShape
+
+    assert ModelShape.from_config(QWEN_05B).params == pytest.approx(494.03e6, rel=0.002)  # Qwen2.5-0.5B
+    assert ModelShape.from_config(QWEN_7B).params == pytest.approx(7.616e9, rel=0.002)  # Qwen2.5-7B
+
+
+def test_memory_auto_picks_the_fastest_setting_that_fits_and_prints_its_estimate():
+    from async_rlhf.launch.memory import GB, ModelShape, Sizes, estimate
+
+    cfg = load_config("configs/demo.yaml")
+    sizes = Sizes(ModelShape.from_config(QWEN_05B), native_bf16=True, prompt_chars=30)
+    plenty, line = apply_placement(cfg, 2, False, memory=64 * GB, shape=sizes.shape, native_bf16=True, prompt_chars=30)
+    assert (plenty.learner.ranks, plenty.learner.zero_stage, plenty.learner.gradient_checkpointing) == (2, 0, False)
+    assert "memory: " in line and "of 64.0 GiB available" in line and "to fit" not in line
+    fitted, line = apply_placement(cfg, 2, False, memory=22 * GB, shape=sizes.shape, native_bf16=True, prompt_chars=30)
+    assert estimate(fitted, sizes).total <= 0.85 * 22 * GB < estimate(plenty, sizes).total
+    assert "to fit: learner." in line
+    # sharding comes before recomputation, recomputation before giving up a rank
+    ranked = [(c.learner.ranks, c.learner.gradient_checkpointing, c.learner.zero_stage)
+              for c in _candidates(plenty)]
+    assert ranked == [(2, False, 0), (2, False, 1), (2, False, 2), (2, False, 3),
+                      (2, True, 0), (2, True, 1), (2, True, 2), (2, True, 3), (1, False, 0), (1, True, 0)]
+    with pytest.raises(ConfigError, match=r"placement: auto finds no setting that fits a 0.49B-parameter model "
+                                          r"here: the smallest needs an estimated [\d.]+ GiB = learner 1 x"):
+        apply_placement(cfg, 2, False, memory=8 * GB, shape=sizes.shape, native_bf16=True, prompt_chars=30)
+
+
+def test_memory_a_manual_setting_that_cannot_fit_is_refused_with_one_that_would():
+    from async_rlhf.launch.memory import GB, ModelShape
+
+    cfg = load_config("configs/demo.yaml", ["placement=manual", "learner.ranks=2"])
+    shape = ModelShape.from_config(QWEN_05B)
+    with pytest.raises(ConfigError) as e:
+        apply_placement(cfg, 2, False, memory=22 * GB, shape=shape, native_bf16=True, prompt_chars=30)
+    assert "this job on a 0.49B-parameter model needs an estimated" in str(e.value)
+    assert "this machine has 22.0 GiB available" in str(e.value)
+    assert "set learner." in str(e.value) and "or placement=auto to choose" in str(e.value)
+    same, line = apply_placement(cfg, 2, False, memory=64 * GB, shape=shape, native_bf16=True)
+    assert same == cfg and line == ""  # it fits: manual stays as written

@@ -56,13 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args)
-    preflight(cfg)  # what the config names is there and reads, before anything starts
-    return Job(cfg, ray_address=args.ray_address, resume=args.resume).run()
+    prompt_chars = preflight(cfg)  # what the config names is there and reads, before anything starts
+    return Job(cfg, ray_address=args.ray_address, resume=args.resume, prompt_chars=prompt_chars).run()
 
 
 class Job:
-    def __init__(self, cfg: Config, ray_address: str | None = None, resume: bool = False):
+    def __init__(self, cfg: Config, ray_address: str | None = None, resume: bool = False,
+                 prompt_chars: int | None = None):
         self.cfg, self.ray_address, self.resume = cfg, ray_address, resume
+        self.prompt_chars = prompt_chars  # the longest prompt (preflight), for the memory estimate
         self.out = Path(cfg.out)
         self.generators: dict[str, Any] = {}  # generator id -> actor handle
         self.next_index = 0
@@ -109,12 +111,19 @@ class Job:
 
     # -- setup and teardown ----------------------------------------------------------------
     def run(self) -> int:
+        from async_rlhf.devices import bf16_native
+        from async_rlhf.launch.memory import ModelShape, host_memory
         from async_rlhf.launch.placement import apply_placement
         from async_rlhf.procs import process_age_s
 
         gpus = _gpu_count()
         devices = gpus or len(os.sched_getaffinity(0))
-        self.cfg, self.placement_line = apply_placement(self.cfg, devices, gpu=gpus > 0)
+        # every part on this node (the job's own Ray head): what it can give must hold them
+        local = self.ray_address is None
+        self.cfg, self.placement_line = apply_placement(
+            self.cfg, devices, gpu=gpus > 0, memory=host_memory() if local else None,
+            shape=ModelShape.of(self.cfg) if local else None, native_bf16=bf16_native("cuda" if gpus else "cpu"),
+            prompt_chars=self.prompt_chars)
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(cfg.to_yaml())

@@ -19,8 +19,10 @@ from async_rlhf.config import Config, ConfigError
 from async_rlhf.hub import resolve_model
 
 
-def preflight(cfg: Config) -> None:
-    """Raise ConfigError for the first thing `cfg` names that is missing or unreadable."""
+def preflight(cfg: Config) -> int:
+    """Raise ConfigError for the first thing `cfg` names that is missing or unreadable. Returns
+    the longest prompt's characters (the system prompt's included): a bound on its tokens for
+    the memory estimate (launch/memory.py)."""
     from actors.prompts import load_records, read_jsonl
     from actors.tasks import get_task
 
@@ -42,6 +44,8 @@ def preflight(cfg: Config) -> None:
         raise ConfigError(f"data.task {cfg.data.task!r} is played in episodes: set env.target={env} "
                           "(configs/agent.yaml shows one)")
     _check_model(cfg, records)
+    chars = [len(p) if isinstance(p, str) else sum(len(str(m.get("content", ""))) for m in p) for p, _ in records]
+    return max(chars, default=0) + len(cfg.data.system_prompt)
 
 
 def load_environment(target: str) -> type:
