@@ -503,7 +503,9 @@ class Config(_Section):
     seed: int = 0  # seeds prompts, sampling and the learner
     max_staleness: int = 2  # k: a trajectory may be at most k policy versions old when trained on
     # auto: generator.count/threads and learner.ranks/threads sized from stage_costs to this
-    # machine (async_rlhf/launch/placement.py), printed at start; manual: as the config gives them
+    # machine (async_rlhf/launch/placement.py), then ZeRO stage, gradient checkpointing and ranks
+    # chosen so the job's estimated peak memory fits this node (launch/memory.py), all printed at
+    # start; manual: as the config gives them, refused before start if the estimate does not fit
     placement: Literal["manual", "auto"] = "auto"
     stage_costs: StageCosts = field(default_factory=StageCosts)
     model: ModelConfig = field(default_factory=ModelConfig)

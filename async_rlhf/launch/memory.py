@@ -138,6 +138,9 @@ def _learner_rank(cfg: Config, sizes: Sizes) -> float:
     # float32 weights: AdamW's two states; ZeRO >= 1 (or bf16 weights) adds a float32 master copy
     master = 4 if (lc.zero_stage or w == 2) else 0
     trained = p * (w / shard(3) + 4 / shard(2) + (8 + master) / shard(1))
+    # the optimizer step's temporaries (a gradient-sized buffer); ZeRO >= 1's flat gradient
+    # buffers and flattening copies, and offload's host copies: measured, bench-memory --learner
+    trained += p * (4 + (8 if lc.zero_stage else 0) + (4 if lc.offload_optimizer else 0))
     if lc.zero_stage:
         trained += DEEPSPEED_BUCKET_BYTES
     if bf16_compute and w == 4:
@@ -147,12 +150,13 @@ def _learner_rank(cfg: Config, sizes: Sizes) -> float:
         ref_bf16 = lc.reference_dtype == "bfloat16" or (lc.reference_dtype == "auto" and bf16_compute)
         reference = p * (2 if ref_bf16 else w)
     critic = trained if lc.advantage == "gae" else 0.0
+    publish = 4 * p  # rank 0's copy of the weights for the weight sync, streamed to the generators
     tokens = lc.micro_batch * min(m.max_positions, cfg.generator.max_new_tokens + sizes.prompt_tokens(cfg))
     per_layer = tokens * 4 * (HIDDEN_ACTIVATIONS * m.hidden + MLP_ACTIVATIONS * m.intermediate)
     kept = tokens * 4 * m.hidden * m.layers + per_layer if lc.gradient_checkpointing else per_layer * m.layers
     activations = kept * (2 if lc.advantage == "gae" else 1)
     logits = 4 * 6 * min(LOGIT_CHUNK_ELEMENTS, tokens * m.vocab)
-    return BASE_GB["learner"] * GB + trained + reference + critic + activations + logits
+    return BASE_GB["learner"] * GB + trained + reference + critic + publish + activations + logits
 
 
 def _engine(cfg: Config, m: ModelShape, native_bf16: bool, gpu: bool) -> float:
@@ -182,3 +186,39 @@ def host_memory() -> float:
         if line.startswith("MemAvailable:"):
             return float(line.split()[1]) * 1024
     raise RuntimeError("/proc/meminfo has no MemAvailable line")
+
+
+def out_of_memory(error: str, cfg: Config, sizes: Sizes | None) -> str | None:
+    """What ended a job that Ray's memory monitor broke into (None for any other error): how full
+    the node was, what was killed, the largest processes beside their part's estimate, and the
+    settings placement estimates would have fit, with the estimate scaled by what was measured.
+    (Ray picks which worker to kill by its policy: not always the largest.)"""
+    if "running low on memory" not in error:
+        return None
+    import re
+
+    node = re.search(r"was ([\d.]+)GB used / ([\d.]+)GB limit", error)
+    killed = re.search(r"Selected to kill:.*?task name=([^,]+),.*?actual memory used=([\d.]+)GB", error, re.DOTALL)
+    largest = re.findall(r"^\d+\t([\d.]+)\t(\S+)", error, re.MULTILINE)[:3]
+    est = estimate(cfg, sizes) if sizes else None
+    parts = {"Learner": ("learner rank", est and est.learner_rank), "Generator": ("generator", est and est.generator)}
+    described = []
+    for used, command in largest:
+        name, guess = next((v for k, v in parts.items() if k in command), (command, None))
+        described.append(f"{name} {used} GB" + (f" (estimated {guess / GB:.1f} GiB)" if guess else ""))
+    text = "out of memory: Ray's memory monitor killed " + (
+        f"{killed.group(1)} ({killed.group(2)} GB)" if killed else "a worker")
+    if node:
+        text += f" with the node at {node.group(1)} of {node.group(2)} GB"
+    if described:
+        text += "; the largest processes: " + ", ".join(described)
+    if est and node:
+        from async_rlhf.launch.placement import MEMORY_SHARE, _candidates, _changes
+
+        scale = float(node.group(1)) * 1e9 / est.total  # what was used over what was estimated
+        room = MEMORY_SHARE * float(node.group(2)) * 1e9
+        fits = [c for c in _candidates(cfg) if estimate(c, sizes).total * scale <= room]
+        text += (f". Set {_changes(cfg, fits[0])} (estimated to fit, after the estimate's {scale:.2f}x here)"
+                 if fits and _changes(cfg, fits[0]) else
+                 ". Free memory on this node, or lower generator.count, learner.micro_batch or the model's size")
+    return text

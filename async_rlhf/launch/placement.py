@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 
 from async_rlhf.config import Config, ConfigError
-from async_rlhf.launch.memory import GB, MemoryEstimate, ModelShape, Sizes, estimate
+from async_rlhf.launch.memory import GB, MemoryEstimate, Sizes, estimate
 
 # The share of the node's available memory a job may plan to use: the rest covers the estimate's
 # error (within 25% in bench-memory) before Ray's memory monitor (95% of the node) kills a part
@@ -84,26 +84,25 @@ def choose_placement(devices: int, gen_s: float, learn_s: float, *, shared: bool
 
 
 def apply_placement(cfg: Config, devices: int, gpu: bool, memory: float | None = None,
-                    shape: ModelShape | None = None, native_bf16: bool = False,
-                    prompt_chars: int | None = None) -> tuple[Config, str]:
+                    sizes: Sizes | None = None) -> tuple[Config, str]:
     """`cfg` with generator.count/threads and learner.ranks/threads set by the rule (unchanged
     unless cfg.placement is auto), and a line saying what was chosen and why. The config returned
     says placement: manual, with those counts: saved (OUT/config.yaml), it reruns as it ran.
 
     With `memory` (the bytes this node can give the job; None: not checked, e.g. on a cluster
-    whose parts run elsewhere) and the model's `shape`, the job must fit (launch/memory.py):
-    auto takes the fastest of the settings that fit (fit_memory); a manual config that does not
-    fit raises ConfigError with the estimate and the settings that would. `prompt_chars`: the
-    longest prompt's characters (preflight), a bound on its tokens."""
+    whose parts run elsewhere) and `sizes` (the model's shape...), the job must fit
+    (launch/memory.py): auto takes the fastest of the settings that fit (fit_memory); a manual
+    config that does not fit raises ConfigError with the estimate and the settings that would.
+    On GPUs the devices' memory is not checked yet."""
     if cfg.placement == "auto":
         cfg, chosen = _by_costs(cfg, devices, gpu)
     else:
         chosen = ""
-    if memory is None or shape is None or gpu:
+    if memory is None or sizes is None or gpu:
         return cfg, chosen
-    fitted, est = fit_memory(cfg, memory, Sizes(shape, native_bf16, prompt_chars), auto=bool(chosen))
+    fitted, est = fit_memory(cfg, memory, sizes, auto=bool(chosen))
     if fitted is None:
-        raise ConfigError(_no_fit(cfg, est, memory, Sizes(shape, native_bf16, prompt_chars), auto=bool(chosen)))
+        raise ConfigError(_no_fit(cfg, est, memory, sizes, auto=bool(chosen)))
     changed = _changes(cfg, fitted)
     if chosen:
         chosen += f"\nmemory: {est.line()} of {memory / GB:.1f} GiB available"
