@@ -188,12 +188,12 @@ Top 10 memory users: PID\tMEM(GB)\tCOMMAND
 def test_an_out_of_memory_end_names_the_parts_their_estimates_and_a_setting_that_fits():
     from async_rlhf.launch.memory import ModelShape, Sizes, out_of_memory
 
-    cfg = load_config("configs/demo.yaml", ["placement=manual", "learner.ranks=1", "learner.threads=2"])
+    cfg = load_config("configs/demo.yaml", ["placement=manual", "learner.ranks=2"])
     sizes = Sizes(ModelShape.from_config(QWEN_05B), native_bf16=True, prompt_chars=30)
     text = out_of_memory(RAY_OOM, cfg, sizes)
     assert text.startswith("out of memory: Ray's memory monitor killed LearnerWorker.__init__ (15.04 GB) "
                            "with the node at 22.68 of 23.54 GB; the largest processes: learner rank 15.04 GB "
                            "(estimated "), text
     assert "generator 4.86 GB (estimated " in text
-    assert "Set learner.gradient_checkpointing=true (estimated to fit" in text
+    assert "Set learner.ranks=1, learner.threads=2 (estimated to fit, after the estimate's " in text
     assert out_of_memory("RayActorError: the actor died unexpectedly", cfg, sizes) is None

@@ -217,8 +217,8 @@ def out_of_memory(error: str, cfg: Config, sizes: Sizes | None) -> str | None:
 
         scale = float(node.group(1)) * 1e9 / est.total  # what was used over what was estimated
         room = MEMORY_SHARE * float(node.group(2)) * 1e9
-        fits = [c for c in _candidates(cfg) if estimate(c, sizes).total * scale <= room]
+        fits = [c for c in _candidates(cfg) if _changes(cfg, c) and estimate(c, sizes).total * scale <= room]
         text += (f". Set {_changes(cfg, fits[0])} (estimated to fit, after the estimate's {scale:.2f}x here)"
-                 if fits and _changes(cfg, fits[0]) else
+                 if fits else
                  ". Free memory on this node, or lower generator.count, learner.micro_batch or the model's size")
     return text
