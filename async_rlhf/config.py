@@ -327,6 +327,18 @@ class LearnerConfig(_Section):
     critic_lr: float = 1e-5  # GAE only
     critic_init: str = ""  # reward-model directory to start the critic from; "": the policy's
     flash_attention: bool = True  # flash-attention 2 on GPU when installed; CPU always uses sdpa
+    # Memory (README "Real sizes"): each off unless set, or chosen by placement: auto where its
+    # estimate (launch/placement.py) needs it to fit. Recompute each layer's activations in the
+    # backward instead of keeping them (~30% more compute)
+    gradient_checkpointing: bool = False
+    # AdamW's states and step on the host (DeepSpeed's offload_optimizer, pinned memory on GPU):
+    # 12 bytes a parameter off the device; ZeRO stage >= 1. Nothing to save on a CPU-only machine
+    offload_optimizer: bool = False
+    offload_params: bool = False  # ZeRO-3's parameter shards on the host between uses (offload_param)
+    # the frozen reference's weights (kl_coef > 0, dpo): auto holds them in bfloat16 where forward
+    # passes run in bf16 anyway (mixed_precision), halving it at the cost of rounding its norms'
+    # weights; else float32
+    reference_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # bf16: forward passes under bf16 autocast with float32 weights, gradients and optimizer
     # (mixed precision, the standard trainers' default); auto: bf16 where the device computes it
     # natively (a GPU with bf16, a CPU with avx512_bf16 or AMX), else fp32; fp32: float32 throughout
@@ -381,6 +393,15 @@ class LearnerConfig(_Section):
         _check(self.max_restarts >= 0, "learner.max_restarts", self.max_restarts, ">= 0")
         _check(self.reward_clip >= 0, "learner.reward_clip", self.reward_clip, ">= 0 (0: no clipping)")
         _check(self.overlong_penalty >= 0, "learner.overlong_penalty", self.overlong_penalty, ">= 0")
+        if self.offload_optimizer or self.offload_params:
+            _check(self.backend == "deepspeed", "learner.backend", self.backend,
+                   "deepspeed with learner.offload_optimizer or offload_params (DeepSpeed's ZeRO offload)")
+        if self.offload_optimizer:
+            _check(self.zero_stage >= 1, "learner.zero_stage", self.zero_stage,
+                   ">= 1 with learner.offload_optimizer=true (ZeRO offloads the states it partitions)")
+        if self.offload_params:
+            _check(self.zero_stage == 3, "learner.zero_stage", self.zero_stage,
+                   "3 with learner.offload_params=true (only ZeRO-3 partitions parameters)")
         if self.backend == "torch":
             _check(self.ranks == 1, "learner.ranks", self.ranks,
                    "1 with learner.backend=torch (one process; use deepspeed for several ranks)")
@@ -525,7 +546,9 @@ class Config(_Section):
     seed: int = 0  # seeds prompts, sampling and the learner
     max_staleness: int = 2  # k: a trajectory may be at most k policy versions old when trained on
     # auto: generator.count/threads and learner.ranks/threads sized from stage_costs to this
-    # machine (async_rlhf/launch/placement.py), printed at start; manual: as the config gives them
+    # machine (async_rlhf/launch/placement.py), then ZeRO stage, gradient checkpointing and ranks
+    # chosen so the job's estimated peak memory fits this node (launch/memory.py), all printed at
+    # start; manual: as the config gives them, refused before start if the estimate does not fit
     placement: Literal["manual", "auto"] = "auto"
     stage_costs: StageCosts = field(default_factory=StageCosts)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -31,6 +31,10 @@ from learners.checkpoints import mark_latest
 from learners.models import DTYPES, HeldModels, adamw, autocast_dtype, default_device, load_models
 
 
+# Elements per gradient-communication bucket (200 MB in float32), at every ZeRO stage
+BUCKET_ELEMENTS = 50_000_000
+
+
 def _import_deepspeed():
     try:
         import deepspeed
@@ -144,6 +148,9 @@ class DeepSpeedBackend(HeldModels):
                 config=self._ds_config(),
             )
         self.run_policy = self.engine
+        for engine in (self.engine, self.critic):
+            if engine is not None and cfg.zero_stage == 0:
+                engine.enable_backward_allreduce = False  # backward() reduces, in smaller buckets
 
     # -- setup -----------------------------------------------------------------------------
     def _optimizer(self, params, lr: float):
@@ -163,7 +170,7 @@ class DeepSpeedBackend(HeldModels):
             "train_micro_batch_size_per_gpu": cfg.micro_batch,
             "gradient_accumulation_steps": per_step // (cfg.micro_batch * self.world_size),
             "gradient_clipping": cfg.grad_clip,
-            "zero_optimization": {"stage": cfg.zero_stage},
+            "zero_optimization": self._zero_config(),
             "bf16": {"enabled": self.dtype == torch.bfloat16},
             # the engine's forward keeps our autocast only when it is configured here too
             # (deepspeed/runtime/torch_autocast.py autocast_if_enabled turns an outer one off);
@@ -171,13 +178,33 @@ class DeepSpeedBackend(HeldModels):
             "torch_autocast": {"enabled": self.autocast is not None, "dtype": "bfloat16",
                                "lower_precision_safe_modules": []},
             "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,  # offloaded states step with torch's AdamW too
             "steps_per_print": 1 << 30,
         }
 
+    def _zero_config(self) -> dict[str, Any]:
+        """ZeRO's section: the stage, its offloads, and communication buckets of BUCKET_ELEMENTS
+        (DeepSpeed's default, 500M, makes a 2 GB float32 buffer on every rank)."""
+        cfg, pin = self.cfg, self.device != "cpu"
+        zero: dict[str, Any] = {"stage": cfg.zero_stage}
+        if cfg.zero_stage:
+            zero.update(reduce_bucket_size=BUCKET_ELEMENTS, allgather_bucket_size=BUCKET_ELEMENTS)
+        if cfg.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        if cfg.offload_params:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+        return zero
+
     # -- forward / backward ----------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, critic: bool = False) -> None:
-        """Back-propagate a rank's share of the global loss (see module docstring)."""
-        (self.critic if critic else self.engine).backward(loss * self.world_size, scale_wrt_gas=False)
+        """Back-propagate a rank's share of the global loss (see module docstring). At ZeRO-0 the
+        gradients are all-reduced here at the accumulation boundary, in buckets of BUCKET_ELEMENTS:
+        DeepSpeed's own reduction flattens them into buckets of 500M elements, a whole float32
+        copy of a 0.5B model's gradients (2 GB a rank), even with one rank, where none is needed."""
+        engine = self.critic if critic else self.engine
+        engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        if self.cfg.zero_stage == 0 and self.world_size > 1 and engine.is_gradient_accumulation_boundary():
+            engine.allreduce_gradients(bucket_size=BUCKET_ELEMENTS)
 
     def step(self, *, critic: bool = False) -> float | None:
         """Optimizer step at the accumulation boundary (no-op otherwise); returns the grad norm there.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from async_rlhf.config import LearnerConfig
 from async_rlhf.devices import bf16_native
@@ -25,6 +26,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # preset, 16 rows, bf16 autocast, a step took 0.82-0.88 s against 0.89-0.96 s with the flash
 # kernel at 30 tokens, as long at 128, 7% longer at 256 (2-core VM, 2026-12-03)
 MATH_ATTENTION_TOKENS = 128
+# Logits per chunk of the LM head (tokens x vocabulary): a chunk's float32 logits are 32 MiB
+# whatever the vocabulary (55 tokens of Qwen2.5's 151,936; all of a batch's tokens of the presets'
+# 50), and so is each copy the loss makes of them (log-softmax, entropy, their gradients)
+LOGIT_CHUNK_ELEMENTS = 1 << 23
 
 
 def default_device() -> str:
@@ -38,6 +43,15 @@ def autocast_dtype(mode: str, device: str, weights: torch.dtype) -> torch.dtype 
     if weights != torch.float32 or mode == "fp32" or (mode == "auto" and not bf16_native(device)):
         return None
     return torch.bfloat16
+
+
+def reference_dtype(cfg: LearnerConfig, device: str, weights: torch.dtype) -> torch.dtype:
+    """The frozen reference's weight dtype: learner.reference_dtype, where auto is bfloat16 when
+    forward passes autocast to it (its matrix products then round the weights to bf16 anyway),
+    else the policy's weight dtype."""
+    if cfg.reference_dtype == "auto":
+        return autocast_dtype(cfg.mixed_precision, device, weights) or weights
+    return DTYPES[cfg.reference_dtype]
 
 
 def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -102,7 +116,7 @@ class ValueModel(nn.Module):
 @dataclass
 class Models:
     policy: nn.Module  # float32, on the CPU: the backend places and wraps it
-    reference: nn.Module | None  # frozen, in the training dtype on the device (kl_coef > 0)
+    reference: nn.Module | None  # frozen, in reference_dtype on the device (kl_coef > 0, dpo)
     critic: ValueModel | None  # float32, on the CPU (advantage == "gae")
 
 
@@ -127,10 +141,12 @@ def load_models(cfg: LearnerConfig, policy: str | nn.Module, device: str, dtype:
     with sharded():
         model = load(policy)
     model.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     reference = None  # replicated (not sharded) on every rank
     if cfg.kl_coef > 0 or cfg.algorithm == "dpo":
         ref = load(policy) if isinstance(policy, str) else copy.deepcopy(model)
-        reference = ref.to(device, dtype).eval().requires_grad_(False)
+        reference = ref.to(device, reference_dtype(cfg, device, dtype)).eval().requires_grad_(False)
     critic = None
     if cfg.advantage == "gae":
         path = cfg.critic_init or (policy if isinstance(policy, str) else "")
@@ -141,6 +157,8 @@ def load_models(cfg: LearnerConfig, policy: str | nn.Module, device: str, dtype:
             )
         with sharded():
             critic = ValueModel(path, torch.float32, attn)
+        if cfg.gradient_checkpointing:
+            critic.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return Models(model, reference, critic)
 
 
@@ -162,17 +180,55 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(response tokens) [B, T] (and entropy [B, T]) of a causal LM at `temperature`.
     Gradient flows under grad mode; into the entropy only with entropy_grad (otherwise it is a
-    metric and keeps no graph). The LM head runs only from the first response position on
-    (`logits_to_keep`): prompt positions' logits, [B, L, vocab], are never made."""
-    first = int(positions.min())
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                   logits_to_keep=input_ids.shape[1] - first).logits
-    logits = response_view(logits, positions - first).float() / temperature  # [B, T, V]
-    logp = token_logprobs(logits, input_ids.gather(1, positions + 1))
-    entropy = None
-    if with_entropy:
-        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    metric and keeps no graph).
+
+    No [B, T, vocab] logits exist whole, in forward or backward: the model runs to its last
+    hidden state (its own LM head on one position only), and the head is applied to
+    LOGIT_CHUNK_ELEMENTS // vocab response tokens at a time, each chunk's logits made again in the backward
+    rather than kept (activation checkpointing of the head). The model is called whole (an engine
+    wrapping it keeps its forward hooks); `hidden_states[-1]` is the final-normed state the head
+    reads in every family (transformers' capture_outputs ties it to last_hidden_state)."""
+    hidden = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                   output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+    hidden = response_view(hidden, positions)  # [B, T, H]
+    targets = input_ids.gather(1, positions + 1)
+    head = LogitHead(getattr(model, "module", model), temperature)
+    rows = max(1, LOGIT_CHUNK_ELEMENTS // head.vocab_size)
+    flat_h, flat_t = hidden.flatten(0, 1), targets.flatten()
+    chunks = []
+    for s in range(0, flat_t.numel(), rows):
+        args = (flat_h[s:s + rows], flat_t[s:s + rows], with_entropy, entropy_grad)
+        if torch.is_grad_enabled():
+            chunks.append(checkpoint(head, *args, use_reentrant=False))
+        else:
+            chunks.append(head(*args))
+    logp = torch.cat([c[0] for c in chunks]).view_as(targets)
+    entropy = torch.cat([c[1] for c in chunks]).view_as(targets) if with_entropy else None
     return logp, entropy
+
+
+class LogitHead:
+    """A causal LM's output layer on a chunk of hidden states [N, H]: the log-prob of each target
+    [N] (and the entropy [N]) at `temperature`, with the logits float32 as the loss reads them.
+    Gemma-2's final logit softcapping (cap * tanh(z / cap)) is applied as its model applies it."""
+
+    def __init__(self, lm: nn.Module, temperature: float):
+        self.linear = lm.get_output_embeddings()
+        text = getattr(lm.config, "text_config", None) or lm.config
+        self.softcap = getattr(text, "final_logit_softcapping", None)
+        self.vocab_size = text.vocab_size
+        self.temperature = temperature
+
+    def __call__(self, hidden, targets, with_entropy: bool, entropy_grad: bool):
+        logits = self.linear(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        logits = logits / self.temperature
+        logp = token_logprobs(logits, targets)
+        entropy = None
+        if with_entropy:
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+        return logp, entropy
 
 
 @contextlib.contextmanager
@@ -204,11 +260,13 @@ class HeldModels:
     def _forward(self, tokens: int) -> contextlib.ExitStack:
         """The context of a forward pass over `tokens` positions: autocast to self.autocast, and
         on CPU for at most MATH_ATTENTION_TOKENS, SDPA's math kernel rather than its flash one,
-        whose backward has a fixed cost that dominates short rows."""
+        whose backward has a fixed cost that dominates short rows. Not with gradient checkpointing:
+        its recomputation runs in the backward, outside this context, and must meet the kernel
+        the forward used."""
         stack = contextlib.ExitStack()
         stack.enter_context(torch.autocast(self.device.split(":")[0], dtype=self.autocast or torch.float32,
                                            enabled=self.autocast is not None))
-        if self.device == "cpu" and tokens <= MATH_ATTENTION_TOKENS:
+        if self.device == "cpu" and tokens <= MATH_ATTENTION_TOKENS and not self.model.is_gradient_checkpointing:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             stack.enter_context(sdpa_kernel(SDPBackend.MATH))

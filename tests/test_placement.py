@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from async_rlhf.config import ConfigError, load_config
-from async_rlhf.launch.placement import apply_placement, choose_placement
+from async_rlhf.launch.placement import _candidates, apply_placement, choose_placement
 
 
 def test_shared_cores_learner_everywhere_generators_their_share():
@@ -115,3 +115,85 @@ def test_config_checks_placement_keys():
     with pytest.raises(ConfigError, match=r"generator.count must be left out with placement: auto, which sizes "
                                           r"it \(or set placement: manual\), got 2"):
         load_config(None, ["generator.count=2"])
+
+
+# Qwen2.5-0.5B's and Qwen2.5-7B's config.json (the shape the estimate reads)
+QWEN_05B = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+            "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+            "tie_word_embeddings": True, "max_position_embeddings": 32768}
+QWEN_7B = {**QWEN_05B, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+           "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
+
+
+def test_the_shape_counts_parameters_as_the_models_do():
+    from async_rlhf.launch.memory import ModelShape
+
+    assert ModelShape.from_config(QWEN_05B).params == pytest.approx(494.03e6, rel=0.002)  # Qwen2.5-0.5B
+    assert ModelShape.from_config(QWEN_7B).params == pytest.approx(7.616e9, rel=0.002)  # Qwen2.5-7B
+
+
+def test_memory_auto_picks_the_fastest_setting_that_fits_and_prints_its_estimate():
+    from async_rlhf.launch.memory import GB, ModelShape, Sizes, estimate
+
+    cfg = load_config("configs/demo.yaml")
+    sizes = Sizes(ModelShape.from_config(QWEN_05B), native_bf16=True, prompt_chars=30)
+    plenty, line = apply_placement(cfg, 2, False, memory=64 * GB, sizes=sizes)
+    assert (plenty.learner.ranks, plenty.learner.zero_stage, plenty.learner.gradient_checkpointing) == (2, 0, False)
+    assert "memory: " in line and "of 64.0 GiB available" in line and "to fit" not in line
+    fitted, line = apply_placement(cfg, 2, False, memory=22 * GB, sizes=sizes)
+    assert estimate(fitted, sizes).total <= 0.85 * 22 * GB < estimate(plenty, sizes).total
+    assert "to fit: learner." in line
+    # sharding comes before recomputation, recomputation before giving up a rank
+    ranked = [(c.learner.ranks, c.learner.gradient_checkpointing, c.learner.zero_stage)
+              for c in _candidates(plenty)]
+    assert ranked == [(2, False, 0), (2, False, 1), (2, False, 2), (2, False, 3),
+                      (2, True, 0), (2, True, 1), (2, True, 2), (2, True, 3), (1, False, 0), (1, True, 0)]
+    with pytest.raises(ConfigError, match=r"placement: auto finds no setting that fits a 0.49B-parameter model "
+                                          r"here: the smallest needs an estimated [\d.]+ GiB = learner 1 x"):
+        apply_placement(cfg, 2, False, memory=8 * GB, sizes=sizes)
+
+
+def test_memory_a_manual_setting_that_cannot_fit_is_refused_with_one_that_would():
+    from async_rlhf.launch.memory import GB, ModelShape, Sizes
+
+    cfg = load_config("configs/demo.yaml", ["placement=manual", "learner.ranks=2"])
+    sizes = Sizes(ModelShape.from_config(QWEN_05B), native_bf16=True, prompt_chars=30)
+    with pytest.raises(ConfigError) as e:
+        apply_placement(cfg, 2, False, memory=22 * GB, sizes=sizes)
+    assert "this job on a 0.49B-parameter model needs an estimated" in str(e.value)
+    assert "this machine has 22.0 GiB available" in str(e.value)
+    assert "set learner." in str(e.value) and "or placement=auto to choose" in str(e.value)
+    same, line = apply_placement(cfg, 2, False, memory=64 * GB, sizes=sizes)
+    assert same == cfg and line == ""  # it fits: manual stays as written
+
+
+# What ended a 0.5B job on this 24 GiB machine (summary.json's error, Ray 2.x, trimmed)
+RAY_OOM = """OutOfMemoryError: 1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 127.0.0.1, ID: 05d59f139ea878a3234df2b72c2494c41bc78aa67ee082e4fdc1a2b8) was 22.68GB used / 23.54GB limit (0.963487)
+OOM kill reason: Memory usage 24239489024B exceeded threshold of 24012384256B (95.0% of 25276194816B limit)
+Ray killed 1 worker(s) based on the killing policy
+Considered workers: [
+Selected to kill: (Actor(aed550b2f2b712b19c9cdaf501000000): job ID=01000000, lease ID=020000004009caf7e2cf3a08f53184292fe7d15d1256fb49f42bebc2b88950d6, task name=LearnerWorker.__init__, required resources={bundle_group_c9a46048237c7354ad9d0a23a3c501000000: 0.001, bundle_group_0_c9a46048237c7354ad9d0a23a3c501000000: 0.001, CPU_group_c9a46048237c7354ad9d0a23a3c501000000: 2, CPU_group_0_c9a46048237c7354ad9d0a23a3c501000000: 2}, pid=31652, actual memory used=15.04GB, worker ID=86fec9eefed4433ade78c1f8dcef6ecad632bb495e97b52dc0a0fc03)
+(Actor(dd78f726e2c0d628765d0b7201000000): job ID=01000000, lease ID=0100000071c660823cb5a138ece101fd5ecd1d6e6c97cb1ca712336d62dd50fb, task name=gen-0:GeneratorWorker.__init__, required resources={bundle_group_d06bf2c99c63897610d836e7ef6301000000: 0.001, CPU_group_d06bf2c99c63897610d836e7ef6301000000: 1, CPU_group_0_d06bf2c99c63897610d836e7ef6301000000: 1, bundle_group_0_d06bf2c99c63897610d836e7ef6301000000: 0.001}, pid=31555, actual memory used=4.86GB, worker ID=b62cf47dfe96718db4ebe1f183f2ada2657c35d98fedeb2bc882f8ad)
+(Actor(7bc15570ea833e07ee74565301000000): job ID=01000000, lease ID=000000008d519365664f4559f73a6dc0e0b6f2bd8ca4c2a988b0fef6c5005d04, task name=coordinator:Coordinator.__init__, required resources={}, pid=31556, actual memory used=0.06GB, worker ID=e2419d498d58b62a92489de931df35cbc0817bd5f65ad93a2d32f9f5)
+]
+Total non-selected idle workers: 0
+Total non-selected idle workers USS bytes: 0.00GB
+To see more information about memory usage on this node, use `ray logs raylet.out -ip 127.0.0.1`
+Top 10 memory users: PID\tMEM(GB)\tCOMMAND
+31652\t15.04\tray::LearnerWorker.step
+31555\t4.86\tray::GeneratorWorker
+31278\t1.62\t/work/main/.venv/bin/python -m async_rlhf.launch.cli bench-memory --shapes qwen2.5-0.5b --models /tm..."""
+
+
+def test_an_out_of_memory_end_names_the_parts_their_estimates_and_a_setting_that_fits():
+    from async_rlhf.launch.memory import ModelShape, Sizes, out_of_memory
+
+    cfg = load_config("configs/demo.yaml", ["placement=manual", "learner.ranks=2"])
+    sizes = Sizes(ModelShape.from_config(QWEN_05B), native_bf16=True, prompt_chars=30)
+    text = out_of_memory(RAY_OOM, cfg, sizes)
+    assert text.startswith("out of memory: Ray's memory monitor killed LearnerWorker.__init__ (15.04 GB) "
+                           "with the node at 22.68 of 23.54 GB; the largest processes: learner rank 15.04 GB "
+                           "(estimated "), text
+    assert "generator 4.86 GB (estimated " in text
+    assert "Set learner.ranks=1, learner.threads=2 (estimated to fit, after the estimate's " in text
+    assert out_of_memory("RayActorError: the actor died unexpectedly", cfg, sizes) is None

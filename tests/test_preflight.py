@@ -5,6 +5,7 @@ family the job cannot train (mixture of experts), a chat without a template or w
 rejects data.system_prompt. Each ends the command with exit 2 and one
 line naming the value and the fix, before Ray, Redis or an engine starts (OUT is never created)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -150,3 +151,19 @@ def test_a_template_that_rejects_the_system_role_with_a_system_prompt(tmp_path, 
     accepting.write_text(NO_SYSTEM_ROLE.split("{% endif %}")[1])
     preflight(load_config(overrides=[f"model.path={model}", "data.system_prompt=Be brief.",
                                      f"data.chat_template={accepting}"]))
+
+
+def test_a_model_that_cannot_fit_this_machine_is_refused_with_its_estimate(tmp_path, tiny_actor_model):
+    """Qwen2.5-7B's shape (its config.json; no weights are read) at the defaults: ~120 GiB of
+    weights, gradients and AdamW states alone."""
+    model = tmp_path / "qwen7b"
+    shutil.copytree(tiny_actor_model, model)
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}))
+    err = _one_line_error(_train(tmp_path, f"model.path={model}"))
+    assert "placement: auto finds no setting that fits a 7.62B-parameter model here" in err
+    assert "the smallest needs an estimated" in err and "GiB available" in err
+    err = _one_line_error(_train(tmp_path, f"model.path={model}", "placement=manual"))
+    assert "this job on a 7.62B-parameter model needs an estimated" in err

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench-queue": ("async_rlhf.launch.bench.stream", "experience-stream throughput vs raw redis-py", ""),
     "bench-gen": ("async_rlhf.launch.bench.gen", "generation throughput: vLLM engine vs transformers", ""),
     "bench-learner": ("async_rlhf.launch.bench.learner", "learner throughput and time split", ""),
+    "bench-memory": ("async_rlhf.launch.bench.memory", "a job's peak memory by part at real sizes, beside its estimate", ""),
     "bench": ("async_rlhf.launch.bench.jobs", "async vs sync training throughput, stage bounds, idle and staleness", ""),
     "config": ("async_rlhf.launch.cli", "print the resolved config, its JSON schema (--schema) or its reference (--reference)", "show_config"),
     "study": ("async_rlhf.launch.study", "learning under staleness: held-out reward by k and loss, over seeds", ""),

@@ -34,6 +34,7 @@ from async_rlhf.config import Config, redact_url
 from async_rlhf.launch import cluster, groups
 from async_rlhf.launch.cli import add_config_arguments, config_from_args
 from async_rlhf.launch.metrics import MetricsLog, StepRecord
+from async_rlhf.launch.memory import out_of_memory
 from async_rlhf.launch.preflight import preflight
 from async_rlhf.launch.stall import StallWatch
 from async_rlhf.launch.stream import JobStream
@@ -56,13 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args)
-    preflight(cfg)  # what the config names is there and reads, before anything starts
-    return Job(cfg, ray_address=args.ray_address, resume=args.resume).run()
+    prompt_chars = preflight(cfg)  # what the config names is there and reads, before anything starts
+    return Job(cfg, ray_address=args.ray_address, resume=args.resume, prompt_chars=prompt_chars).run()
 
 
 class Job:
-    def __init__(self, cfg: Config, ray_address: str | None = None, resume: bool = False):
+    def __init__(self, cfg: Config, ray_address: str | None = None, resume: bool = False,
+                 prompt_chars: int | None = None):
         self.cfg, self.ray_address, self.resume = cfg, ray_address, resume
+        self.prompt_chars = prompt_chars  # the longest prompt (preflight), for the memory estimate
+        self.sizes = None  # what the memory estimate reads (launch/memory.py), once run() starts
         self.out = Path(cfg.out)
         self.generators: dict[str, Any] = {}  # generator id -> actor handle
         self.next_index = 0
@@ -109,12 +113,18 @@ class Job:
 
     # -- setup and teardown ----------------------------------------------------------------
     def run(self) -> int:
+        from async_rlhf.devices import bf16_native
+        from async_rlhf.launch.memory import ModelShape, Sizes, host_memory
         from async_rlhf.launch.placement import apply_placement
         from async_rlhf.procs import process_age_s
 
         gpus = _gpu_count()
         devices = gpus or len(os.sched_getaffinity(0))
-        self.cfg, self.placement_line = apply_placement(self.cfg, devices, gpu=gpus > 0)
+        # every part on this node (the job's own Ray head): what it can give must hold them
+        local = self.ray_address is None
+        self.sizes = Sizes(ModelShape.of(self.cfg), bf16_native("cuda" if gpus else "cpu"), self.prompt_chars)
+        self.cfg, self.placement_line = apply_placement(self.cfg, devices, gpu=gpus > 0,
+                                                        memory=host_memory() if local else None, sizes=self.sizes)
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(cfg.to_yaml())
@@ -132,7 +142,7 @@ class Job:
                 self._record_step_in_flight()
                 code = 130
             except Exception as e:  # noqa: BLE001 - still stop cleanly and account for everything
-                self.error = f"{type(e).__name__}: {e}".strip()
+                self.error = out_of_memory(str(e), cfg, self.sizes) or f"{type(e).__name__}: {e}".strip()
                 log.error("job failed: %s", self.error)
                 code = 1
             self.stopping = self.stopping or time.monotonic()
@@ -281,6 +291,8 @@ class Job:
         resumed job does, and form a new weight-sync epoch, whose first message brings the
         generators back to that version. Returns the learner's version."""
         ray, budget = self.ray, self.cfg.learner.max_restarts
+        if report := out_of_memory(why, self.cfg, self.sizes):  # a restart would be killed the same way
+            raise RuntimeError(report)
         if self.learner_restarts >= budget:  # dead or hung, they cannot write a final checkpoint
             for learner in self.learners:
                 ray.kill(learner)

@@ -37,7 +37,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from async_rlhf.config import Config
+from async_rlhf.config import Config, ConfigError
+from async_rlhf.launch.memory import GB, MemoryEstimate, Sizes, estimate
+
+# The share of the node's available memory a job may plan to use: the rest covers the estimate's
+# error (within 25% in bench-memory) before Ray's memory monitor (95% of the node) kills a part
+MEMORY_SHARE = 0.85
 
 
 @dataclass(frozen=True)
@@ -78,12 +83,36 @@ def choose_placement(devices: int, gen_s: float, learn_s: float, *, shared: bool
     return Placement(n_gen, devices - n_gen, rate, why)
 
 
-def apply_placement(cfg: Config, devices: int, gpu: bool) -> tuple[Config, str]:
+def apply_placement(cfg: Config, devices: int, gpu: bool, memory: float | None = None,
+                    sizes: Sizes | None = None) -> tuple[Config, str]:
     """`cfg` with generator.count/threads and learner.ranks/threads set by the rule (unchanged
     unless cfg.placement is auto), and a line saying what was chosen and why. The config returned
-    says placement: manual, with those counts: saved (OUT/config.yaml), it reruns as it ran."""
-    if cfg.placement != "auto":
-        return cfg, ""
+    says placement: manual, with those counts: saved (OUT/config.yaml), it reruns as it ran.
+
+    With `memory` (the bytes this node can give the job; None: not checked, e.g. on a cluster
+    whose parts run elsewhere) and `sizes` (the model's shape...), the job must fit
+    (launch/memory.py): auto takes the fastest of the settings that fit (fit_memory); a manual
+    config that does not fit raises ConfigError with the estimate and the settings that would.
+    On GPUs the devices' memory is not checked yet."""
+    if cfg.placement == "auto":
+        cfg, chosen = _by_costs(cfg, devices, gpu)
+    else:
+        chosen = ""
+    if memory is None or sizes is None or gpu:
+        return cfg, chosen
+    fitted, est = fit_memory(cfg, memory, sizes, auto=bool(chosen))
+    if fitted is None:
+        raise ConfigError(_no_fit(cfg, est, memory, sizes, auto=bool(chosen)))
+    changed = _changes(cfg, fitted)
+    if chosen:
+        chosen += f"\nmemory: {est.line()} of {memory / GB:.1f} GiB available"
+        if changed:
+            chosen += f" (to fit: {changed})"
+    return fitted, chosen
+
+
+def _by_costs(cfg: Config, devices: int, gpu: bool) -> tuple[Config, str]:
+    """Counts and threads from the stage costs (the module doc)."""
     g, learner = cfg.generator, cfg.learner
     unit = g.tensor_parallel if gpu else 1
     evaluator = unit if gpu and cfg.eval.every else 0  # its engine's own GPUs; on CPU it shares
@@ -109,3 +138,52 @@ def apply_placement(cfg: Config, devices: int, gpu: bool) -> tuple[Config, str]:
               f"{'1 GPU' if gpu else f'{threads} thread(s)'}"
               f"{f', evaluator {evaluator} GPU(s)' if evaluator else ''}; {p.why}")
     return cfg, chosen
+
+
+# What fits memory when a config does not, fastest first (CPU): more ZeRO sharding costs a
+# little communication; gradient checkpointing recomputes the forward (~30% more learner work);
+# fewer ranks leave cores to threads, which gain little (module doc). Offload saves nothing on a
+# CPU-only machine: all of it is host memory already.
+def _candidates(cfg: Config) -> list[Config]:
+    lc = cfg.learner
+    stages = [s for s in (0, 1, 2, 3) if s >= lc.zero_stage] if lc.backend == "deepspeed" else [lc.zero_stage]
+    rank_options = [r for r in range(lc.ranks, 0, -1) if lc.ranks % r == 0]
+    out = []
+    for ranks in rank_options:
+        for checkpointing in sorted({lc.gradient_checkpointing, True}):
+            for stage in stages if ranks > 1 else stages[:1]:  # one rank: nothing to shard over
+                out.append(dataclasses.replace(cfg, learner=dataclasses.replace(
+                    lc, ranks=ranks, threads=lc.threads * lc.ranks // ranks, zero_stage=stage,
+                    gradient_checkpointing=checkpointing)))
+    return out
+
+
+def fit_memory(cfg: Config, memory: float, sizes: Sizes, auto: bool) -> tuple[Config | None, MemoryEstimate]:
+    """`cfg` as it is if its estimate fits MEMORY_SHARE of `memory`; else, when `auto`, the first
+    of _candidates that fits; None if none does. The estimate returned is the config's chosen, or
+    (None) the smallest tried."""
+    tried = [cfg, *_candidates(cfg)] if auto else [cfg]
+    estimates = [estimate(c, sizes) for c in tried]
+    for c, est in zip(tried, estimates):
+        if est.total <= MEMORY_SHARE * memory:
+            return c, est
+    return None, min(estimates, key=lambda e: e.total)
+
+
+def _changes(before: Config, after: Config) -> str:
+    keys = ("ranks", "threads", "zero_stage", "gradient_checkpointing")
+    return ", ".join(f"learner.{k}={getattr(after.learner, k)}".replace("True", "true").replace("False", "false")
+                     for k in keys if getattr(before.learner, k) != getattr(after.learner, k))
+
+
+def _no_fit(cfg: Config, est: MemoryEstimate, memory: float, sizes: Sizes, auto: bool) -> str:
+    need = f"needs an estimated {est.line()}"
+    have = f"this machine has {memory / GB:.1f} GiB available (a job may use {MEMORY_SHARE:.0%} of it)"
+    model = f"a {sizes.shape.params / 1e9:.2f}B-parameter model"
+    if auto:
+        return (f"placement: auto finds no setting that fits {model} here: the smallest {need}; {have}. "
+                "Free memory, or lower generator.count, generator.max_new_tokens or learner.micro_batch")
+    fitted, _ = fit_memory(cfg, memory, sizes, auto=True)
+    fix = (f"set {_changes(cfg, fitted)}, or placement=auto to choose" if fitted is not None else
+           "free memory, or lower generator.count, generator.max_new_tokens or learner.micro_batch")
+    return f"this job on {model} {need}; {have}: {fix}"

@@ -20,8 +20,10 @@ from async_rlhf.config import Config, ConfigError
 from async_rlhf.hub import resolve_model
 
 
-def preflight(cfg: Config) -> None:
-    """Raise ConfigError for the first thing `cfg` names that is missing or unreadable."""
+def preflight(cfg: Config) -> int:
+    """Raise ConfigError for the first thing `cfg` names that is missing or unreadable. Returns
+    the longest prompt's characters (the system prompt's included): a bound on its tokens for
+    the memory estimate (launch/memory.py)."""
     from actors.prompts import load_records, read_jsonl
     from actors.tasks import get_task
 
@@ -49,6 +51,8 @@ def preflight(cfg: Config) -> None:
         from async_rlhf.launch.trackers import wandb_missing
 
         raise ConfigError(wandb_missing())
+    chars = [len(p) if isinstance(p, str) else sum(len(str(m.get("content", ""))) for m in p) for p, _ in records]
+    return max(chars, default=0) + len(cfg.data.system_prompt)
 
 
 def load_environment(target: str) -> type:

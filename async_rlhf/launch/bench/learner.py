@@ -34,6 +34,7 @@ PHASES = tuple(f.name for f in dataclasses.fields(StepTimes) if f.name != "check
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    parser.add_argument("--model", help="a model directory to train instead of a preset (e.g. bench-memory's)")
     parser.add_argument("--zero-stage", type=int, nargs="+", default=[0], help="one or more stages to compare")
     parser.add_argument("--batch-size", type=int, default=16, help="trajectories per step")
     parser.add_argument("--group-size", type=int, default=4, help="trajectories per group (GRPO's n)")
@@ -146,15 +147,29 @@ def _result(args, setting: str, params: int, timed: list, samples: int, tokens: 
                        {p: round(totals.get(p, 0.0), 3) for p in PHASES})
 
 
-def bench_one(args: argparse.Namespace, zero_stage: int, mixed_precision: str) -> StageResult:
-    from async_rlhf.config import LearnerConfig
+def _model(args: argparse.Namespace):
     from async_rlhf.synthetic import build_model
+
+    if not args.model:
+        return build_model(args.preset)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+
+
+def bench_one(args: argparse.Namespace, zero_stage: int, mixed_precision: str,
+              overrides: dict | None = None) -> StageResult:
+    """The learner's steps at `zero_stage` and `mixed_precision`, with other LearnerConfig
+    `overrides` (bench-memory's settings)."""
+    from async_rlhf.config import LearnerConfig
     from learners.deepspeed_backend import DeepSpeedBackend
     from learners.learner import Learner
 
-    cfg = LearnerConfig(batch_size=args.batch_size, micro_batch=args.micro_batch, zero_stage=zero_stage,
-                        steps=args.warmup + args.steps, mixed_precision=mixed_precision)
-    model = build_model(args.preset)
+    cfg = LearnerConfig(**{"batch_size": args.batch_size, "micro_batch": args.micro_batch,
+                           "steps": args.warmup + args.steps, "mixed_precision": mixed_precision,
+                           **(overrides or {}), "zero_stage": zero_stage})
+    model = _model(args)
     params = sum(p.numel() for p in model.parameters())
     backend = DeepSpeedBackend(cfg, model, dtype=args.dtype)
     queue = PreloadedQueue()
@@ -181,10 +196,9 @@ def bench_plain(args: argparse.Namespace, autocast: bool) -> StageResult:
 
     import torch
 
-    from async_rlhf.synthetic import build_model
     from learners.batch import Batch
 
-    model = build_model(args.preset).train()
+    model = _model(args).train()
     model.config.use_cache = False
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
