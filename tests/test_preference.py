@@ -154,7 +154,7 @@ def test_ipo_with_length_normalised_log_probs_drives_the_margin_to_its_target(ma
     for _ in range(8):
         queue.put([g.with_version(learner.version, f"{g.group_id}@v{learner.version}") for g in fixed])
         margins.append(learner.step().extra["reward_margin"])
-    assert margins[0] == 0.0 and abs(margins[-1] - 0.5) < 0.1, margins
+    assert abs(margins[0]) < 1e-3 and abs(margins[-1] - 0.5) < 0.1, margins  # the reference in bf16 where autocast is (learner.reference_dtype auto)
 
 
 def test_dpo_keeps_each_group_whole_in_a_micro_batch_whatever_its_rows_lengths(make_learner):
