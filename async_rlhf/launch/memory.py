@@ -86,10 +86,11 @@ class ModelShape:
             from async_rlhf.hub import resolve_model
 
             return cls.from_config(json.loads((Path(resolve_model(cfg.model.path)) / "config.json").read_text()))
+        from actors.model_init import BPE_VOCAB_SIZE
         from async_rlhf.synthetic import CHAR_VOCAB_SIZE, PRESETS
 
         p = PRESETS[cfg.model.preset]
-        vocab = CHAR_VOCAB_SIZE if cfg.model.tokenizer == "char" else 512
+        vocab = CHAR_VOCAB_SIZE if cfg.model.tokenizer == "char" else BPE_VOCAB_SIZE
         return cls.from_config({"hidden_size": p.hidden_size, "num_hidden_layers": p.num_layers,
                                 "num_attention_heads": p.num_heads, "intermediate_size": p.intermediate_size,
                                 "vocab_size": vocab, "max_position_embeddings": p.max_positions,
