@@ -315,7 +315,10 @@ class Accounting:
     """Where every stream entry (group, of generator.group_size samples) went: produced (by
     our producers) plus foreign (written by anyone else, counted at first delivery, and those
     still undelivered) = trained + dropped_stale + dead_lettered + acked_other (other ack
-    reasons) + left_in_queue; `lost` is what that leaves over, 0 unless something is wrong.
+    reasons) + awaiting_checkpoint + left_in_queue; `lost` is what that leaves over, 0 unless
+    something is wrong. awaiting_checkpoint: groups the learner has trained whose update no
+    checkpoint holds yet (pending in the stream; acked as trained at the next checkpoint, or
+    trained again after a learner restart); left_in_queue: the other groups still in the stream.
     `set_aside` (set_aside:<reason>) counts groups the generators set aside before producing
     them, `dropped_uniform` those they dropped because all their rewards were equal
     (generator.drop_uniform_groups). `counters`: the stream's shared counters as they are."""
@@ -330,11 +333,13 @@ class Accounting:
     set_aside: Mapping[str, int]
     counters: Mapping[str, int]
     dropped_uniform: int = 0
+    awaiting_checkpoint: int = 0
 
     LINE = ("produced", "foreign", "trained", "dropped_stale", "dead_lettered", "left_in_queue", "lost")
 
     @classmethod
-    def from_counters(cls, counters: Mapping[str, int], left_in_queue: int, foreign_backlog: int) -> Accounting:
+    def from_counters(cls, counters: Mapping[str, int], left_in_queue: int, foreign_backlog: int,
+                      awaiting_checkpoint: int = 0) -> Accounting:
         outcomes = {k: v for k, v in counters.items() if not k.startswith(_EVENTS)}
         return cls(
             produced=counters.get("produced", 0),
@@ -347,12 +352,13 @@ class Accounting:
             set_aside={k: v for k, v in counters.items() if k.startswith("set_aside:")},
             counters=dict(counters),
             dropped_uniform=counters.get("dropped_uniform", 0),
+            awaiting_checkpoint=awaiting_checkpoint,
         )
 
     @property
     def lost(self) -> int:
         return (self.produced + self.foreign - self.trained - self.dropped_stale - self.dead_lettered
-                - sum(self.acked_other.values()) - self.left_in_queue)
+                - sum(self.acked_other.values()) - self.awaiting_checkpoint - self.left_in_queue)
 
     def to_json(self) -> dict[str, Any]:
         return {"unit": "groups", **dataclasses.asdict(self), "lost": self.lost}
@@ -410,7 +416,8 @@ class JobSummary:
         counts = [f"{k}={getattr(acc, k)}" for k in Accounting.LINE] if acc else []
         if acc:
             at = Accounting.LINE.index("left_in_queue")
-            counts[at:at] = [f"{k}={v}" for k, v in sorted(acc.acked_other.items()) if v]
+            counts[at:at] = [f"{k}={v}" for k, v in sorted(acc.acked_other.items()) if v] + (
+                [f"awaiting_checkpoint={acc.awaiting_checkpoint}"] if acc.awaiting_checkpoint else [])
             counts += [f"dropped_uniform={acc.dropped_uniform}"] if acc.dropped_uniform else []
         return f"summary: {', '.join(counts)}" + (f"; error: {self.error.splitlines()[0]}" if self.error else "")
 
@@ -499,7 +506,8 @@ class JobStatus:
                 f"produced {g.produced}{'  ERROR' if g.error else ''}" for g in snap.generators]
         out += [f"  generator request {i}: {state}" for i, state in self.coordinator.requests.items()]
         out.append(f"queue {self.redis_url} stream {self.stream}: backlog+pending {q.left_in_queue}, "
-                   f"produced {q.produced}, trained {q.trained}, dead letters {q.dead_lettered}")
+                   f"produced {q.produced}, trained {q.trained} (+{q.awaiting_checkpoint} awaiting a "
+                   f"checkpoint), dead letters {q.dead_lettered}")
         if (age := now - self.at) > self.STALE_S:
             out.append(f"(as of {age:.0f} s ago: the launcher has published nothing since; see its log)")
         return out

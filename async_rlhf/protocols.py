@@ -91,6 +91,8 @@ class QueueStats:
     pending: int  # delivered, not yet acknowledged
     dead_letters: int
     counters: dict[str, int]  # produced, trained, dropped_stale, dead_lettered, ...
+    held: int = 0  # pending entries the learner trained, awaiting a checkpoint (ExperienceQueue.hold)
+    learner_version: int = 0  # as the learner last recorded it (hold, learner_restarted)
 
 
 class ExperienceQueue(Protocol):
@@ -136,6 +138,18 @@ class ExperienceQueue(Protocol):
         learner calls `renew` just before its optimizer step, trains only on the ids it
         returns, and acks them within the claim timeout of that call (see
         buffer/redis_stream.py)."""
+        ...
+
+    def hold(self, entry_ids: Sequence[str], version: int) -> list[str]:
+        """The learner at `version` trained `entry_ids` and holds them, pending, until a
+        checkpoint holds their update (then it acks them as trained): of them, those still
+        owned, their reclaim timers reset without counting a delivery. Records `version` and
+        the held count for the staleness gate (QueueStats), in one step with them."""
+        ...
+
+    def learner_restarted(self, version: int) -> None:
+        """The learner (re)started from its checkpoint at `version`: nothing is held any more
+        (what was held is pending, to be trained again)."""
         ...
 
     def duplicates(self, received: Sequence[Received]) -> list[str]:

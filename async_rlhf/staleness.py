@@ -64,8 +64,15 @@ class StalenessGate:
                 f"finish({n_admitted}, {n_accepted}) with {self.running} running: "
                 "each batch must be finished once, with accepted <= admitted"
             )
-        self.running -= n_admitted
+        self.ended(n_admitted)
         self.accepted += n_accepted
+
+    def ended(self, n_admitted: int) -> None:
+        """A generation batch ended, where `accepted` is kept elsewhere (the launcher's
+        Coordinator sets it from the experience stream, which counts what was put)."""
+        if not 0 <= n_admitted <= self.running:
+            raise ValueError(f"ended({n_admitted}) with {self.running} running: each batch ends once")
+        self.running -= n_admitted
 
     def step_trained(self, fresh: int) -> None:
         """A learner step trained `fresh` samples for the first time, the rest of its batch

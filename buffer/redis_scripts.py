@@ -20,16 +20,26 @@ local function owned_ids(first_id)
   end
   return owned, lost
 end
+
+-- XCLAIM ids JUSTID (an unpack() in the middle of an argument list passes only its first value)
+local function claim_justid(ids)
+  local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
+  for _, id in ipairs(ids) do args[#args + 1] = id end
+  args[#args + 1] = 'JUSTID'
+  redis.call(unpack(args))
+end
 """
 
-# KEYS: stream, counters. ARGV: group, consumer, reason, min, max, limit, ids...
-# -> the ids this consumer did not own (not acked, counted as ack_lost).
+# KEYS: stream, counters, held. ARGV: group, consumer, reason, min, max, limit, ids...
+# -> the ids this consumer did not own (not acked, counted as ack_lost). An acked entry is no
+# longer held (see HOLD), in the same step: the books never count it twice.
 ACK = OWNED + """
 local owned, lost = owned_ids(7)
 if #owned > 0 then
   redis.call('XACK', KEYS[1], ARGV[1], unpack(owned))
   redis.call('XDEL', KEYS[1], unpack(owned))
   redis.call('HINCRBY', KEYS[2], ARGV[3], #owned)
+  redis.call('SREM', KEYS[3], unpack(owned))
 end
 if #lost > 0 then redis.call('HINCRBY', KEYS[2], 'ack_lost', #lost) end
 return lost
@@ -40,8 +50,24 @@ return lost
 RENEW = OWNED + """
 local owned, lost = owned_ids(7)
 if #owned > 0 then
-  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(owned), 'JUSTID')
+  claim_justid(owned)
 end
+return owned
+"""
+
+# Entries the learner trained and holds until a checkpoint holds their update (its ack then).
+# KEYS: stream, held, learner_version. ARGV: group, consumer, the learner's version, min, max,
+# limit, ids... -> the ids still owned: their idle time reset (no reclaim for claim_idle_ms;
+# JUSTID: no delivery counted, so no max_deliveries either), each in the held set, and the
+# learner's version recorded, in one step with them (the staleness gate reads both at once).
+HOLD = OWNED + """
+local owned = {}
+if #ARGV >= 7 then owned = owned_ids(7) end
+if #owned > 0 then
+  claim_justid(owned)
+  redis.call('SADD', KEYS[2], unpack(owned))
+end
+redis.call('SET', KEYS[3], ARGV[3])
 return owned
 """
 
@@ -73,15 +99,19 @@ return n
 # One put chunk, at most once: a client that retries it (its reply lost to a dropped connection,
 # say, after the server applied it) must not append the groups twice. Each producer numbers its
 # chunks; the stream's hash S:put_seq keeps the last number applied per producer.
-# KEYS: stream, counters, prompt_positions, put_seq. ARGV: producer, seq, group, prompt position
-# ('' for none), payload field, producer field, then the payloads. Returns the backlog after it.
+# Each entry also carries the stream's marker (KEYS[5], a random token made once per stream),
+# which only this script writes: an entry without it came from another client (foreign).
+# KEYS: stream, counters, prompt_positions, put_seq, marker. ARGV: producer, seq, group, prompt
+# position ('' for none), payload field, producer field, marker field, then the payloads.
+# Returns the backlog after it.
 PUT = """
 local last = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '-1')
 if tonumber(ARGV[2]) > last then
-  for i = 7, #ARGV do
-    redis.call('XADD', KEYS[1], '*', ARGV[5], ARGV[i], ARGV[6], ARGV[1])
+  local marker = redis.call('GET', KEYS[5]) or ''
+  for i = 8, #ARGV do
+    redis.call('XADD', KEYS[1], '*', ARGV[5], ARGV[i], ARGV[6], ARGV[1], ARGV[7], marker)
   end
-  redis.call('HINCRBY', KEYS[2], 'produced', #ARGV - 6)
+  redis.call('HINCRBY', KEYS[2], 'produced', #ARGV - 7)
   if ARGV[4] ~= '' then redis.call('HSET', KEYS[3], ARGV[1], ARGV[4]) end
   redis.call('HSET', KEYS[4], ARGV[1], ARGV[2])
 end

@@ -6,15 +6,22 @@ reclaims, dead letters, every counter) counts entries, i.e. groups, never sample
 a group as a whole: a group is never split between consumers, steps or fates.
 
 Keys, for stream name S:
-    S             the stream; one field b"t" per entry holding `codec.encode(group)`
+    S             the stream; per entry b"t" holding `codec.encode(group)`, b"p" the producer's
+                  name and b"m" the stream's marker
+    S:marker      a random token made once per stream, which only our put script writes into
+                  entries: an entry without it is foreign (another client's), whatever else it
+                  carries, and is dead-lettered at first delivery, never trained
     S:dead        the dead-letter stream: raw bytes, reason, detail, original id, consumer
     S:counters    a hash of counts of entries (groups) shared by every process: produced,
                   trained, dropped_stale, dead_lettered, ... (every `ack` reason), which always
                   satisfy produced = sum of ack reasons + dead_lettered + backlog + pending;
                   plus events that are not fates: reclaimed, ack_lost, set_aside[:reason], and
-                  foreign: entries first delivered without our producer field (b"p"), i.e.
-                  written by another client; their fates are counted like any other's, but
-                  for dead_lettered_foreign: those that did not decode at first delivery
+                  foreign: entries first delivered without the stream's marker (b"m"), i.e.
+                  written by another client; their one fate is dead_lettered_foreign
+    S:held        the entries the learner trained whose update no checkpoint holds yet (`hold`;
+                  pending until their `ack` as trained, which removes them here)
+    S:learner_version  the learner's version, written with the held set (`hold`); with the
+                  counters it is all the staleness gate needs (launch/stream.py)
     S:prompt_positions  producer name -> prompts it had taken at its last put (`put` writes it
                   with the groups, atomically), where a restarted producer continues
     S:put_seq     producer name -> the number of its last put chunk applied: a chunk retried
@@ -49,6 +56,7 @@ time, so nobody can reclaim them meanwhile. A consumer name must be unique to on
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
@@ -67,7 +75,8 @@ from buffer.codec import decode_batch, encode
 log = logging.getLogger(__name__)
 
 FIELD = b"t"
-PRODUCER = b"p"  # our producers' name on each entry: entries without it were written by others
+PRODUCER = b"p"  # the name of the producer that put the entry
+MARK = b"m"  # the stream's marker (S:marker): only our put script writes it
 _SCRIPT_CHUNK = 1000  # ids per Lua call: keeps unpack() far below Lua's stack limit
 # Group ids remembered to find copies: a copy comes from a producer that put a group twice, soon
 # after the first; 100k ids take ~10 MB of the server's memory.
@@ -134,6 +143,8 @@ class RedisExperienceQueue:
         self.dead_stream, self.counters_key = f"{stream}:dead", f"{stream}:counters"
         self.positions_key, self.put_seq_key = f"{stream}:prompt_positions", f"{stream}:put_seq"
         self.group_ids_key, self.group_order_key = f"{stream}:group_ids", f"{stream}:group_order"
+        self.held_key, self.version_key = f"{stream}:held", f"{stream}:learner_version"
+        self.marker_key = f"{stream}:marker"
         self.max_backlog, self.claim_idle_ms = max_backlog, claim_idle_ms
         self.max_deliveries = max_deliveries
         self.dead_letter_maxlen, self.put_chunk = dead_letter_maxlen, put_chunk
@@ -143,6 +154,7 @@ class RedisExperienceQueue:
         self._autoclaim_script = client.register_script(redis_scripts.AUTOCLAIM_IDS)
         self._put_script = client.register_script(redis_scripts.PUT)
         self._copies_script = client.register_script(redis_scripts.COPIES)
+        self._hold_script = client.register_script(redis_scripts.HOLD)
         self._put_seq: int | None = None  # the number of this producer's last put chunk
         self._claim_cursor = b"0-0"
         self._held: set[str] = set()  # delivered to this consumer, not yet acked
@@ -152,6 +164,8 @@ class RedisExperienceQueue:
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
+        client.set(self.marker_key, secrets.token_hex(16), nx=True)
+        self._marker = client.get(self.marker_key)
         self._backlog_seen = self._backlog()  # undelivered entries, as measured after a put
 
     @classmethod
@@ -227,9 +241,9 @@ class RedisExperienceQueue:
             if self._put_seq is None:  # a restarted producer goes on from its predecessor's
                 self._put_seq = int(self._r.hget(self.put_seq_key, self.consumer) or -1)
             self._put_seq = seq = self._put_seq + 1
-        keys = [self.stream, self.counters_key, self.positions_key, self.put_seq_key]
+        keys = [self.stream, self.counters_key, self.positions_key, self.put_seq_key, self.marker_key]
         return self._put_script(keys=keys, args=[self.consumer, seq, self.group, position, FIELD, PRODUCER,
-                                                 *payloads])
+                                                 MARK, *payloads])
 
     def prompt_positions(self) -> dict[str, int]:
         """Producer name -> how many prompts it had taken when its last put went in. A producer
@@ -247,7 +261,7 @@ class RedisExperienceQueue:
 
     # -- consumer side ---------------------------------------------------------------------
 
-    def _reclaim(self, count: int) -> list[tuple[bytes, bytes]]:
+    def _reclaim(self, count: int) -> list[tuple[bytes, dict]]:
         """Entries idle > claim_idle_ms in other consumers' hands, now this consumer's; those
         delivered more than max_deliveries times go to S:dead instead.
 
@@ -260,7 +274,7 @@ class RedisExperienceQueue:
         self._claim_cursor = cursor
         return self._claim([i for i in ids if i.decode() not in self._held])
 
-    def _recover_own(self, count: int) -> list[tuple[bytes, bytes]]:
+    def _recover_own(self, count: int) -> list[tuple[bytes, dict]]:
         """Entries pending under this consumer's name that this object never received: a
         previous incarnation of the consumer (a restarted learner) held them when it died.
         They are ours, so take them at once rather than after claim_idle_ms. Called until it
@@ -271,8 +285,8 @@ class RedisExperienceQueue:
         self._recovering = bool(ids)
         return self._claim(ids)
 
-    def _claim(self, ids: list[bytes]) -> list[tuple[bytes, bytes]]:
-        """Claim `ids` with their data (one more delivery each); those delivered more than
+    def _claim(self, ids: list[bytes]) -> list[tuple[bytes, dict]]:
+        """Claim `ids` with their fields (one more delivery each); those delivered more than
         max_deliveries times go to S:dead instead."""
         if not ids:
             return []
@@ -286,15 +300,15 @@ class RedisExperienceQueue:
         for entry_id, fields in claimed:
             if fields is None:  # deleted while pending (Redis 6.2 reports it as nil)
                 continue
-            data, n = fields.get(FIELD, b""), deliveries.get(entry_id, 0)
+            n = deliveries.get(entry_id, 0)
             if n <= self.max_deliveries:
-                keep.append((entry_id, data))
+                keep.append((entry_id, fields))
             else:
                 why = (f"delivered {n} times (queue.max_deliveries={self.max_deliveries}) and never "
                        "acked: its consumers died or stalled on it each time")
-                poison.append((entry_id.decode(), TrajectoryError("max_deliveries", why), data))
+                poison.append((entry_id.decode(), TrajectoryError("max_deliveries", why), fields.get(FIELD, b"")))
         if poison:
-            self._dead_letter(poison)
+            self._dead_letter(poison, {i.decode() for i, f in claimed if f is not None and self._foreign(f)})
         if keep:
             self._r.hincrby(self.counters_key, "reclaimed", len(keep))
             log.info("reclaimed %d entries left by dead or stalled consumers", len(keep))
@@ -307,7 +321,6 @@ class RedisExperienceQueue:
         if count <= 0:
             raise ValueError(f"count must be > 0, got {count}")
         entries = (self._recovering and self._recover_own(count)) or self._reclaim(count)
-        foreign: set[str] = set()
         if not entries:
             reply = self._r.xreadgroup(
                 self.group, self.consumer, {self.stream: ">"}, count=count,
@@ -315,22 +328,27 @@ class RedisExperienceQueue:
             )
             if isinstance(reply, dict):  # RESP3 client: {stream: [entries]}
                 reply = [[k, v[0]] for k, v in reply.items()]
-            fields = reply[0][1] if reply else []
-            entries = [(i, f.get(FIELD, b"")) for i, f in fields]
-            foreign = {i.decode() for i, f in fields if PRODUCER not in f}
-            if foreign:  # first delivery: count once
-                self._r.hincrby(self.counters_key, "foreign", len(foreign))
-        payloads = [data for _, data in entries]
-        out, bad = [], []
-        for (raw_id, data), group in zip(entries, decode_batch(payloads)):
+            entries = reply[0][1] if reply else []
+            if n_foreign := sum(self._foreign(f) for _, f in entries):  # first delivery: count once
+                self._r.hincrby(self.counters_key, "foreign", n_foreign)
+        why = ("written by another client: the entry lacks this stream's marker (only our put writes "
+               f"it, from {self.marker_key}), whatever its other fields")
+        foreign = {i.decode(): f.get(FIELD, b"") for i, f in entries if self._foreign(f)}
+        ours = [(i, f.get(FIELD, b"")) for i, f in entries if i.decode() not in foreign]
+        out, bad = [], [(i, TrajectoryError("foreign", why), data) for i, data in foreign.items()]
+        for (raw_id, data), group in zip(ours, decode_batch([data for _, data in ours])):
             if type(group) is Group:
                 out.append(Received(raw_id.decode(), group))
             else:
                 bad.append((raw_id.decode(), group, data))
         self._held.update([r.entry_id for r in out])
         if bad:
-            self._dead_letter(bad, foreign)
+            order = {i.decode(): n for n, (i, _) in enumerate(entries)}
+            self._dead_letter(sorted(bad, key=lambda b: order[b[0]]), set(foreign))
         return out
+
+    def _foreign(self, fields: dict) -> bool:
+        return fields.get(MARK) != self._marker
 
     def duplicates(self, received: Sequence[Received]) -> list[str]:
         """The entry ids, of `received`, whose group id an earlier entry of the stream carried
@@ -351,8 +369,8 @@ class RedisExperienceQueue:
             self._held.difference_update(r.entry_id for r, _ in rejected)
 
     def _dead_letter(self, bad: list[tuple[str, TrajectoryError, bytes]], foreign: Set[str] = frozenset()) -> None:
-        """Entries of `foreign` (another client's, at their first delivery) are counted
-        dead_lettered_foreign: they never held a slot of the staleness gate (not_trained)."""
+        """Entries of `foreign` (another client's) are counted dead_lettered_foreign: they were
+        never `produced` and never held a slot of the staleness gate (not_trained)."""
         args: list = [self.group, self.consumer, self.dead_letter_maxlen]
         for entry_id, err, data in bad:
             log.warning("dead-lettering entry %s: %s", entry_id, err)
@@ -372,7 +390,7 @@ class RedisExperienceQueue:
         lost: list[bytes] = []
         for chunk in _chunks(list(entry_ids), _SCRIPT_CHUNK):
             args = [self.group, self.consumer, reason, *self._owned_args(chunk), *chunk]
-            lost += self._ack_script(keys=[self.stream, self.counters_key], args=args)
+            lost += self._ack_script(keys=[self.stream, self.counters_key, self.held_key], args=args)
         self._held.difference_update(entry_ids)
         if lost:
             log.warning("%d acks (%s) for entries now owned by another consumer: not counted",
@@ -388,6 +406,27 @@ class RedisExperienceQueue:
             owned += [i.decode() for i in self._renew_script(keys=[self.stream], args=args)]
         self._held.difference_update(set(ids) - set(owned))
         return owned
+
+    def hold(self, entry_ids: Sequence[str], version: int) -> list[str]:
+        """The learner at `version` holds `entry_ids` (trained, no checkpoint has their update
+        yet) until it acks them: of them, those this consumer still owns, with their idle time
+        reset as `renew` does (held across steps, they are never reclaimed, nor counted as
+        delivered again), recorded in S:held, and `version` as the learner's, all in one step.
+        Call it at each step with all the ids held."""
+        owned: list[str] = []
+        for chunk in _chunks(list(entry_ids), _SCRIPT_CHUNK) if entry_ids else [[]]:
+            args = [self.group, self.consumer, version, *(self._owned_args(chunk) if chunk else []), *chunk]
+            owned += [i.decode() for i in self._hold_script(keys=[self.stream, self.held_key, self.version_key],
+                                                               args=args)]
+        return owned
+
+    def learner_restarted(self, version: int) -> None:
+        """A learner (re)started from a checkpoint at `version`: it holds nothing yet, and what
+        its predecessor held is queued again, to be trained again (its pending entries)."""
+        pipe = self._r.pipeline(transaction=True)
+        pipe.delete(self.held_key)
+        pipe.set(self.version_key, version)
+        pipe.execute()
 
     def dead_letter(self, reason: str, detail: str, payload: bytes = b"") -> None:
         """Record something that never entered the stream and will never be trained on (e.g. a
@@ -416,25 +455,30 @@ class RedisExperienceQueue:
         pipe.xpending(self.stream, self.group)
         pipe.xlen(self.dead_stream)
         pipe.hgetall(self.counters_key)
-        length, pending, dead, counters = pipe.execute()
+        pipe.scard(self.held_key)
+        pipe.get(self.version_key)
+        length, pending, dead, counters, held, version = pipe.execute()
         return QueueStats(
             backlog=length - pending["pending"],
             pending=pending["pending"],
             dead_letters=dead,
             counters={k.decode(): int(v) for k, v in counters.items()},
+            held=held,
+            learner_version=int(version or 0),
         )
 
     def accounting(self, stats: QueueStats | None = None) -> Accounting:
         """Where every entry (group) went, from the shared counters (see Accounting); `stats`:
         ones just read, else they are read now."""
         stats = self.stats() if stats is None else stats
-        return Accounting.from_counters(stats.counters, stats.backlog + stats.pending, self._foreign_backlog())
+        return Accounting.from_counters(stats.counters, stats.backlog + stats.pending - stats.held,
+                                        self._foreign_backlog(), awaiting_checkpoint=stats.held)
 
     def _foreign_backlog(self) -> int:
-        """Entries without our producer field that no consumer has read yet."""
+        """Entries without the stream's marker that no consumer has read yet."""
         last = next(g["last-delivered-id"].decode() for g in self._r.xinfo_groups(self.stream)
                     if g["name"] == self.group.encode())
-        return sum(PRODUCER not in f for _, f in self._r.xrange(self.stream, min=f"({last}", max="+"))
+        return sum(map(self._foreign, (f for _, f in self._r.xrange(self.stream, min=f"({last}", max="+"))))
 
     def dead_letters(self, count: int = 100) -> list[DeadLetter]:
         """The most recent `count` dead letters, oldest first."""

@@ -19,10 +19,22 @@ staler than max_staleness) -> recompute pi_prox (and reference, critic) on each 
 (pi_prox only when the batch takes several optimizer steps or feeds a KL reward; otherwise it
 is the training forward's own log-probs, detached) -> advantages ->
 `minibatches` optimizer steps of micro-batches, at the version's learning rate
-(learners/schedule.py) -> ack first uses as "trained" -> version += 1 ->
-gather full weights and publish them (rank 0) -> checkpoint when due.
-A crash after an ack but before the next checkpoint loses those updates, not the run: resume
-restarts from the checkpoint with its version and counters, and trains on fresh experience.
+(learners/schedule.py) -> version += 1 -> hold first uses -> gather full weights and publish
+them (rank 0) -> checkpoint when due, then ack what it holds as "trained".
+
+Acks follow checkpoints. A group trained for the first time stays pending in the stream, held
+(ExperienceQueue.hold, every step: its reclaim timer reset, no delivery counted), until a
+checkpoint that holds its update is complete on every rank; then rank 0 acks it as trained.
+The checkpoint lists these ids (acks_due), so a crash between the checkpoint and the ack does
+not train them twice: resume acks those still pending. A crash before the checkpoint loses the
+updates since the last one, never the groups: resume restarts from the checkpoint, and the held
+groups, pending under this consumer's name, are delivered again at once and trained again. Why
+train them again rather than ack them under a reason of their own: they are off-policy data
+like any other (the behaviour weight corrects for the weights that made them), the generation
+is not thrown away, and then `trained` in the stream counts exactly the groups the newest
+checkpoint's weights were trained on (with learner.max_reuse 1). A group made by weights ahead
+of a restarted learner (after such a rollback) is trained the same way, not rejected.
+Without a checkpoint directory there is nothing to wait for: groups are acked at each step.
 learner.algorithm dpo and rs take the same batches, acks and staleness, and train their own
 rows with their own loss (learners/preference.py) in place of advantages and policy_loss.
 """
@@ -103,6 +115,7 @@ class Learner:
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir else None
         self.version = 0
         self._saved_version = -1  # the version of the newest checkpoint written or loaded
+        self._unsaved: list[str] = []  # rank 0: entry ids trained since then, held (not acked)
         self._last_progress = time.monotonic()  # when data last arrived (learner.wait_s)
         self._giving_up = False  # the job is ending with an error: stop waiting for data
         self.counters: collections.Counter[str] = collections.Counter()
@@ -158,8 +171,11 @@ class Learner:
         tokens = int(batch.mask.sum())
         self.counters.update(samples=len(staleness), groups=len(group_sizes), tokens=tokens, steps=1)
         if self.rank == 0:
-            self.queue.ack(first_use, reason="trained")
             self.counters["trained_first_use"] += len(first_use)  # groups
+            if self.ckpt_dir is None:
+                self.queue.ack(first_use, reason="trained")
+            else:  # acked by the checkpoint that holds their update (module docstring)
+                self._unsaved = self.queue.hold(self._unsaved + first_use, self.version)
 
         self.publish_weights(timing)
         every = self.cfg.checkpoint_every
@@ -297,11 +313,7 @@ class Learner:
             raise TrajectoryError("group_size", f"group {group.group_id!r} has {group.size} samples, the "
                                   f"learner expects {self.group_size} (generator.group_size): a producer "
                                   "that splits groups, or one run with another group_size")
-        for t in group.members:
-            if t.newest_version > self.version:
-                raise TrajectoryError("future_version", f"version {t.newest_version} is ahead of the "
-                                      f"learner's {self.version}: made after the checkpoint this run resumed "
-                                      "from, or another run's data on this stream")
+        for t in group.members:  # (one made ahead of a restarted learner is trained: see the top)
             if len(t.prompt_ids) == 0:
                 raise TrajectoryError("empty_prompt", "the learner needs at least one prompt token")
             top = int(max(t.prompt_ids.max(), t.response_ids.max()))
@@ -541,21 +553,28 @@ class Learner:
             return
         positions = self.queue.prompt_positions() if self.queue is not None else {}
         state = {"policy_version": self.version, "counters": dict(self.counters),
-                 "prompt_positions": positions, "reward_moments": self.shaping.moments.state_dict()}
+                 "prompt_positions": positions, "reward_moments": self.shaping.moments.state_dict(),
+                 "acks_due": list(self._unsaved)}
         self.backend.save_checkpoint(self.ckpt_dir, tag=f"v{self.version}", client_state=state)
         self._saved_version = self.version
         if self.world > 1:
             dist.barrier()
-        if self.rank == 0:  # keep the newest few: backends never delete a tag
+        if self.rank == 0:  # complete on every rank: what it holds is trained for good
+            self.queue.ack(self._unsaved, reason="trained")
+            self._unsaved = []
+            # keep the newest few: backends never delete a tag
             for root in (self.ckpt_dir, self.ckpt_dir / "critic"):
                 tags = sorted((int(p.name[1:]), p) for p in root.glob("v*") if p.name[1:].isdigit())
                 for _, old in tags[:-self.cfg.keep_checkpoints]:
                     shutil.rmtree(old, ignore_errors=True)
 
     def resume(self) -> bool:
-        """Restore the latest checkpoint in ckpt_dir if there is one; True if restored."""
+        """Restore the latest checkpoint in ckpt_dir if there is one; True if restored. Either
+        way the groups a previous incarnation held are to be trained again (module docstring)."""
         state = self.backend.load_checkpoint(self.ckpt_dir) if self.ckpt_dir else None
         if state is None:
+            if self.queue is not None:
+                self.queue.learner_restarted(self.version)
             return False
         self.version = self._saved_version = int(state["policy_version"])
         self.counters = collections.Counter(state["counters"])
@@ -563,4 +582,7 @@ class Learner:
             self.shaping.moments.load_state_dict(state["reward_moments"])
         if self.queue is not None:  # the stream's own positions win where it has them
             self.queue.restore_prompt_positions(state.get("prompt_positions", {}))
+            # trained into this checkpoint, maybe not acked yet (a crash just after it)
+            self.queue.ack(self.queue.renew(state.get("acks_due", [])), reason="trained")
+            self.queue.learner_restarted(self.version)
         return True

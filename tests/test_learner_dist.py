@@ -173,9 +173,11 @@ def test_checkpoint_kill_resume_keeps_version_and_counters(tiny_learner_model, r
     saved = json.loads((tmp_path / "crash.json").read_text())
     assert saved["version"] == 3
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("v*")) == ["v2", "v3"]
-    # step 4 acked its batch before the kill: its update is lost, its experience consumed
-    assert stream.stats().counters == {"produced": 8, "trained": 8}  # groups of 4
-    assert run_ranks({**spec, "mode": "resume"}, 1) == [0]  # same stream, fresh experience
+    # step 4 trained its batch, then died before its checkpoint: its update is lost, and its
+    # groups are not counted trained: held, pending, they wait to be trained again
+    stats = stream.stats()
+    assert stats.counters == {"produced": 8, "trained": 6} and (stats.pending, stats.held) == (2, 2)  # groups of 4
+    assert run_ranks({**spec, "mode": "resume"}, 1) == [0]  # same stream, 8 more groups
     resumed = json.loads((tmp_path / "resume.json").read_text())
     assert resumed["resumed_version"] == 3
     assert resumed["resumed_counters"] == saved["counters"]
@@ -183,8 +185,8 @@ def test_checkpoint_kill_resume_keeps_version_and_counters(tiny_learner_model, r
     assert resumed["version"] == 4
     assert resumed["counters"]["samples"] == saved["counters"]["samples"] + 8
     assert resumed["counters"]["steps"] == 4
-    stats = stream.stats()
-    assert stats.counters == {"produced": 16, "trained": 10} and stats.backlog == 6
+    stats = stream.stats()  # step 4 trained the two groups the crash left (reclaimed at once)
+    assert stats.counters == {"produced": 16, "trained": 8, "reclaimed": 2} and stats.backlog == 8
 
 
 def test_a_rank_that_dies_writing_a_checkpoint_leaves_latest_at_the_one_before(tiny_learner_model, redis_server,

@@ -368,6 +368,61 @@ def test_resume_restores_weights_optimizer_version_and_counters(make_learner, tm
         torch.testing.assert_close(after_resumed[k], after[k], rtol=0, atol=1e-6)
 
 
+def test_acks_follow_checkpoints_and_a_crash_trains_the_unsaved_groups_again(make_learner, tmp_path):
+    """checkpoint_every=2: a group counts as trained only once a checkpoint holds its update;
+    until then it is pending and held (awaiting_checkpoint). A learner that dies after step 3
+    resumes from v2, trains step 3's groups again, and the stream's `trained` then counts the
+    groups the final weights were trained on: 4 steps x 2 groups."""
+    groups = random_groups(8, vocab=VOCAB, seed=11)
+    learner, queue, _ = make_learner(groups, checkpoint_every=2, max_staleness=4)
+    learner.ckpt_dir = tmp_path
+
+    def books():
+        s = queue.stats()
+        return s.counters.get("trained", 0), s.held, s.learner_version
+
+    learner.step()
+    assert books() == (0, 2, 1)  # trained, held until the checkpoint
+    assert queue.accounting().awaiting_checkpoint == 2 and queue.accounting().lost == 0
+    learner.step()  # v2, checkpointed: both steps' groups are trained for good
+    assert books() == (4, 0, 2)
+    learner.step()  # v3, then the learner dies before its checkpoint
+    assert books() == (4, 2, 3)
+    step3 = set(learner._unsaved)
+
+    resumed, queue, _ = make_learner(checkpoint_every=2, max_staleness=4)
+    resumed.ckpt_dir = tmp_path
+    assert resumed.resume() and resumed.version == 2
+    assert books() == (4, 0, 2)  # step 3's groups are to train again
+    resumed.step()
+    assert set(resumed._unsaved) == step3  # trained again first (pending under our name)
+    resumed.step()  # v4: the last 2 groups, checkpointed
+    assert books() == (8, 0, 4) and resumed.counters["trained_first_use"] == 8
+    acc = queue.accounting()
+    assert (acc.produced, acc.trained, acc.dead_lettered, acc.left_in_queue, acc.lost) == (8, 8, 0, 0, 0)
+
+
+def test_a_crash_between_a_checkpoint_and_its_acks_trains_nothing_twice(make_learner, tmp_path):
+    """The checkpoint lists the groups it holds (acks_due): a learner that dies after writing
+    it but before acking them acks them when it resumes, and does not train them again."""
+    learner, queue, _ = make_learner(random_groups(4, vocab=VOCAB, seed=12), checkpoint_every=2)
+    learner.ckpt_dir = tmp_path
+    learner.step()
+
+    def die(*args, **kwargs):
+        raise SystemExit("killed after the checkpoint, before its acks")
+
+    learner.queue.ack = die  # the process dies in its next ack (the checkpoint's)
+    with pytest.raises(SystemExit):
+        learner.step()
+    assert checkpoint_version(tmp_path) == 2 and queue.stats().held == 4
+    resumed, queue, _ = make_learner(checkpoint_every=2)
+    resumed.ckpt_dir = tmp_path
+    assert resumed.resume()
+    stats = queue.stats()
+    assert (stats.counters["trained"], stats.held, stats.pending, stats.backlog) == (4, 0, 0, 0)
+
+
 def test_the_lr_warms_up_decays_and_a_resumed_learner_takes_it_up_where_it_was_saved(make_learner, tmp_path):
     """learner.lr_warmup_steps=2, lr_schedule=linear over 4 steps at lr 1e-3: steps 0-3 train at
     5e-4, 1e-3 (warmup 1/2, 2/2), 1e-3, 5e-4 (1 - p, p = 0, 1/2). A learner resumed at version 2

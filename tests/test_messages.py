@@ -148,7 +148,8 @@ def test_status_reads_the_published_snapshot():
         "job j: learner step 3 policy_version 3  restarts: learner 1 (1 hung), generators 2; stalled generators 1",
         "     gen-0  node host  pid 123  policy_version 3  produced 24  ERROR",
         "  generator request 3: requested",
-        "queue redis://:***@h:1 stream experience: backlog+pending 1, produced 10, trained 8, dead letters 0"]
+        "queue redis://:***@h:1 stream experience: backlog+pending 1, produced 10, trained 8 (+0 awaiting "
+        "a checkpoint), dead letters 0"]
     assert status.lines(now=1030.0)[-1].startswith("(as of 30 s ago: the launcher has published nothing since")
     d = json.loads(json.dumps(status.to_json()))
     assert d["generator_stalls"] == 1 and d["learner"]["hangs"] == 1 and d["learner"]["pid"] == 7 and d["generators"][0]["pid"] == 123 and d["gate"] == {"accepted": 16, "running": 8}

@@ -20,7 +20,7 @@ from async_rlhf.types import TrajectoryError
 from buffer.codec import decode, encode
 from buffer import redis_stream
 from buffer.redis_server import EmbeddedRedis
-from buffer.redis_stream import FIELD, QueueFull, RedisExperienceQueue
+from buffer.redis_stream import FIELD, MARK, QueueFull, RedisExperienceQueue
 from helpers import ReplyLosingProxy, make_group, reencoded
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,22 +101,63 @@ def test_prompt_positions_go_in_with_the_groups_and_a_checkpoint_fills_only_gaps
 
 def test_entries_written_by_a_foreign_client_are_counted_and_accounted(make_queue, redis_client,
                                                                        stream_name):
+    """Another client's entries, whatever fields they carry, are foreign: told by the stream's
+    marker, which only our put writes. They are dead-lettered as foreign, never trained, free
+    no gate slot, and the balance holds with lost = 0. (Before the marker, an entry with our
+    producer field b"p" counted as ours: lost went negative by one per such entry.)"""
     queue = make_queue()
     queue.put([make_group(0), make_group(1)])
-    for i in range(3):  # garbage from another client, one with our payload field
-        redis_client.xadd(stream_name, {FIELD: b"not msgpack"} if i else {b"x": b"1"})
-    assert queue.accounting().foreign == 3  # undelivered yet
-    got = queue.get(2, block_ms=0)
+    good = encode(make_group(7))
+    foreign = [
+        {b"x": b"1"},  # none of our fields
+        {FIELD: b"not msgpack"},
+        {FIELD: b"garbage", b"p": b"gen-0", MARK: b"a guess"},  # garbage under all our field names
+        {FIELD: reencoded(make_group(5), schema_version=99), b"p": b"gen-0"},  # another schema
+        {FIELD: good[: len(good) // 2], b"p": b"gen-0"},  # truncated msgpack
+        {FIELD: good, b"p": b"gen-0"},  # a valid group, by another client: not trained either
+    ]
+    for fields in foreign:
+        redis_client.xadd(stream_name, fields)
+    assert queue.accounting().foreign == 6  # undelivered yet
+    got = queue.get(10, block_ms=0)
     assert [r.group.group_id for r in got] == ["group-0", "group-1"]
-    assert queue.accounting().foreign == 3
-    assert queue.get(10, block_ms=0) == []  # the three are dead-lettered on delivery
+    assert queue.get(10, block_ms=0) == []  # the foreign ones are dead-lettered on delivery
     queue.ack([r.entry_id for r in got])
     summary = queue.accounting()
-    assert summary.counters["foreign"] == 3 and summary.foreign == 3
-    assert (summary.produced, summary.trained, summary.dead_lettered) == (2, 2, 3)
+    assert summary.counters["foreign"] == 6 and summary.foreign == 6
+    assert (summary.produced, summary.trained, summary.dead_lettered) == (2, 2, 6)
     assert summary.lost == 0 and summary.left_in_queue == 0
+    assert {d.reason for d in queue.dead_letters()} == {"foreign"}
     # they never held gate slots: nothing of ours went untrained, so no slot is given back
-    assert summary.counters["dead_lettered_foreign"] == 3 and not_trained(summary.counters) == 0
+    assert summary.counters["dead_lettered_foreign"] == 6 and not_trained(summary.counters) == 0
+
+
+def test_held_entries_stay_pending_unreclaimed_until_acked(make_queue, redis_client, stream_name):
+    """What the learner trained waits, pending and held, for the checkpoint that holds it: no
+    other consumer reclaims it (its idle time is reset at each hold), no delivery is counted for
+    holding it (max_deliveries), and the books name it awaiting_checkpoint until its ack."""
+    learner = make_queue(claim_idle_ms=600)
+    learner.put([make_group(g) for g in range(3)])
+    got = learner.get(3, block_ms=0)
+    ids = [r.entry_id for r in got]
+    for version in (1, 2, 3):  # three steps, each longer than claim_idle_ms
+        assert learner.hold(ids[:2], version) == ids[:2]
+        time.sleep(0.35)
+    other = make_queue("learner-1", claim_idle_ms=600)
+    assert ids_of(other.get(3, block_ms=0)) == ["group-2"]  # the one not held is reclaimed
+    stats = learner.stats()
+    assert (stats.held, stats.learner_version, stats.pending) == (2, 3, 3)
+    assert all(p["times_delivered"] == 1
+               for p in redis_client.xpending_range(stream_name, "learners", "-", "+", 10)
+               if p["message_id"].decode() in ids[:2])
+    acc = learner.accounting()
+    assert (acc.awaiting_checkpoint, acc.left_in_queue, acc.lost) == (2, 1, 0)
+    learner.ack(ids[:2])  # the checkpoint is complete: trained for good
+    stats = learner.stats()
+    assert (stats.held, stats.counters["trained"]) == (0, 2)
+    learner.hold(ids[:2], 4)  # after their ack there is nothing to hold
+    learner.learner_restarted(1)
+    assert (learner.stats().held, learner.stats().learner_version) == (0, 1)
 
 
 def test_a_put_whose_reply_is_lost_is_retried_without_a_duplicate(redis_server, stream_name):
@@ -348,10 +389,12 @@ def test_malformed_entries_are_dead_lettered_while_good_ones_flow(
         "missing_field": reencoded(make_group(0), member=1, reward=None),
     }
     producer = make_queue("generator-0")
+    marker = redis_client.get(f"{stream_name}:marker")
     for i, payload in enumerate(bad.values()):
         producer.put([make_group(10 + i)])
-        redis_client.xadd(stream_name, {FIELD: payload})  # a buggy producer, bypassing encode
-    redis_client.xadd(stream_name, {b"other": b"x"})  # no payload field at all
+        # a buggy producer of ours (it has the stream's marker), bypassing encode
+        redis_client.xadd(stream_name, {FIELD: payload, MARK: marker})
+    redis_client.xadd(stream_name, {b"other": b"x"})  # another client's: no marker, no payload
     consumer = make_queue()
     got = []
     while batch := consumer.get(count, block_ms=0):
@@ -359,9 +402,9 @@ def test_malformed_entries_are_dead_lettered_while_good_ones_flow(
     assert sorted(ids_of(got)) == sorted(f"group-{10 + i}" for i in range(6))
     stats = consumer.stats()
     assert (stats.backlog, stats.pending, stats.dead_letters) == (0, 6, 7)
-    assert stats.counters["dead_lettered_foreign"] == 7  # written without our producer field
+    assert (stats.counters["dead_lettered"], stats.counters["dead_lettered_foreign"]) == (6, 1)
     letters = consumer.dead_letters()
-    assert [d.reason for d in letters] == [*bad, "garbage"]
+    assert [d.reason for d in letters] == [*bad, "foreign"]
     assert [d.raw for d in letters] == [*bad.values(), b""]
     assert all(d.original_id and d.consumer == "learner-0" and d.detail for d in letters)
     consumer.ack([r.entry_id for r in got])
@@ -431,5 +474,5 @@ def test_resp2_and_resp3_clients(redis_server, stream_name, protocol):
     queue.ack([r.entry_id for r in got])
     stats = queue.stats()
     assert (stats.backlog, stats.pending, stats.dead_letters) == (0, 0, 1)
-    assert queue.dead_letters()[0].reason == "garbage"
+    assert queue.dead_letters()[0].reason == "foreign"  # no marker: another client's
     client.close()

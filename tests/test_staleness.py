@@ -5,6 +5,8 @@ import random
 import pytest
 
 from async_rlhf.staleness import StalenessGate
+from buffer.codec import encode
+from helpers import make_group
 
 
 def test_capacity_by_hand():
@@ -46,18 +48,84 @@ def test_a_step_that_reuses_samples_moves_the_rest_back():
         gate.step_trained(9)
 
 
-def test_resumed_gate_holds_the_slots_of_entries_carried_in_the_stream():
+# ---- the job's gate (launch/roles.Coordinator): its books are read from a real stream
+@pytest.fixture
+def job_gate(redis_server, stream_name):
+    """(coordinator with k=1, batch 8, groups of 4; a producer's queue; the learner's queue)."""
+    from async_rlhf.config import QueueConfig
     from async_rlhf.launch.roles import Coordinator
+    from async_rlhf.launch.stream import StreamBooks
+    from buffer.redis_stream import RedisExperienceQueue
 
-    # Killed at version 0 with 128 samples in the stream (more than the gate's 40 slots):
-    # nothing new is admitted while they come first, and dropping all of them is no error.
-    coordinator = Coordinator(max_staleness=4, batch_size=8, start_version=0, carried=128)
-    assert coordinator.gate.capacity(version=0) == 0
-    assert not coordinator.try_admit("gen-0", 8, version=0)
-    coordinator.forget(128)
-    assert coordinator.gate.capacity(version=0) == 40  # (4 + 0 + 1) * 8
-    resumed = Coordinator(max_staleness=1, batch_size=8, start_version=3, carried=5)
-    assert resumed.gate.capacity(version=3) == (1 + 3 + 1) * 8 - (3 * 8 + 5)
+    cfg = QueueConfig(stream=stream_name)
+    coordinator = Coordinator(max_staleness=1, batch_size=8,
+                              books=StreamBooks(cfg, redis_server.url, batch_size=8, group_size=4))
+    queues = [RedisExperienceQueue.from_config(cfg, redis_server.url, consumer=c) for c in ("gen-0", "learner-0")]
+    yield coordinator, *queues
+    for q in queues:
+        q.close()
+
+
+def test_a_resumed_gate_holds_the_slots_of_groups_in_the_stream(job_gate):
+    # 32 groups (128 samples, more than the gate's 16 slots at version 0) in the stream: nothing
+    # new is admitted while they come first, and dropping them all gives every slot back
+    coordinator, producer, learner = job_gate
+    producer.put([make_group(g) for g in range(32)])
+    assert not coordinator.try_admit("gen-0", 0, 4, version=0)
+    learner.ack([r.entry_id for r in learner.get(32, block_ms=0)], reason="dropped_stale")
+    assert coordinator.try_admit("gen-0", 0, 4, version=0) and coordinator.gate.capacity(0) == 12
+
+
+def test_a_put_during_a_learner_restart_is_counted(job_gate):
+    """The learner trains step 1 (2 groups, held for a checkpoint) and dies; a generator's put
+    and finish land while it restarts from v0. The gate counts the put, and the two groups to
+    train again, with no rebase to race with. (The launcher used to read the stream, then set
+    accepted from it after the learner was back: a put between the two was lost.)"""
+    coordinator, producer, learner = job_gate
+    producer.put([make_group(0), make_group(1)])
+    assert coordinator.try_admit("gen-0", 0, 4, version=0)
+    got = learner.get(2, block_ms=0)
+    learner.hold([r.entry_id for r in got], version=1)  # trained at step 1, no checkpoint yet
+    # the learner dies; meanwhile gen-0 puts and finishes the group it was admitted for
+    producer.put([make_group(2)])
+    coordinator.finish("gen-0", 0, 4)
+    learner.learner_restarted(0)  # back from the checkpoint at v0: its 2 groups are to train again
+    assert coordinator.try_admit("gen-0", 0, 4, version=1)
+    assert coordinator.gate.accepted == 3 * 4 and coordinator.gate.running == 4
+    # gen-0's weights (v1) are ahead of the learner (v0): it is admitted as if at v0, whose
+    # slots are spent ((1 + 0 + 1) * 8 = 12 + 4), not at v1 (8 more)
+    assert coordinator.gate.capacity(version=0) == 0 and coordinator.gate.capacity(version=1) == 8
+    assert not coordinator.try_admit("gen-0", 0, 4, version=1)
+
+
+def test_a_killed_generator_finishing_late_changes_nothing(job_gate):
+    """ray.kill is asynchronous: a killed generator's finish may land after its release. Its
+    incarnation is released for good: the late finish frees nothing twice and raises nothing,
+    and the replacement under the same id (the next incarnation) keeps books of its own."""
+    coordinator, _, _ = job_gate
+    assert coordinator.try_admit("gen-0", 0, 4, version=0) and coordinator.try_admit("gen-0", 0, 4, version=0)
+    assert coordinator.release("gen-0", 0) == 8
+    coordinator.finish("gen-0", 0, 4)  # late, from the killed incarnation
+    assert not coordinator.try_admit("gen-0", 0, 4, version=0)  # nor is it admitted again
+    assert coordinator.release("gen-0", 0) == 0
+    assert coordinator.try_admit("gen-0", 1, 4, version=0)  # the replacement
+    assert coordinator.gate.running == 4 and coordinator.running[("gen-0", 1)] == 4
+    coordinator.finish("gen-0", 1, 4)
+    assert coordinator.gate.running == 0 and coordinator.release("gen-0", 1) == 0
+
+
+def test_duplicate_and_foreign_entries_free_no_slot_they_did_not_hold(job_gate, redis_client, stream_name):
+    coordinator, producer, learner = job_gate
+    producer.put([make_group(0), make_group(1), make_group(0)])  # a copy of group-0
+    for junk in (b"garbage", encode(make_group(5))):  # another client's, with our fields
+        redis_client.xadd(stream_name, {b"t": junk, b"p": b"gen-0"})
+    got = learner.get(10, block_ms=0)  # the foreign ones are dead-lettered here
+    copies = learner.duplicates(got)
+    learner.ack(copies, reason="duplicate")
+    assert coordinator.try_admit("gen-0", 0, 4, version=0)
+    # the two groups left untrained hold their 8 slots; the copy held and freed its own
+    assert coordinator.gate.accepted == 8 and coordinator.gate.capacity(version=0) == 16 - 8 - 4
+    assert learner.accounting().lost == 0
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 4])

@@ -8,8 +8,8 @@ learner ranks and the generators together) and prints where the time went. The d
 calls one learner step at a time and, while it runs, watches the job each second: a dead
 generator is released from the gate and replaced (generator.max_restarts), a dead learner rank
 restarts every rank from the newest checkpoint (learner.max_restarts; in the final checkpoint
-and export too, which then run again), a dead embedded redis-server is restarted and slots of
-groups gone untrained go back to the gate (both in launch/stream.py); requests from other drivers
+and export too, which then run again), a dead embedded redis-server is restarted (launch/stream.py;
+the gate's books are read from the stream, never written here); requests from other drivers
 (`add-generators`, `stop`) are taken; a status snapshot is published. Every step writes a
 StepRecord (launch/metrics.py) to OUT/metrics.jsonl, TensorBoard and the console; the end writes
 OUT/summary.json, a JobSummary with the accounting of every group (async_rlhf/messages.py).
@@ -70,8 +70,8 @@ class Job:
         self.out = Path(cfg.out)
         self.generators: dict[str, Any] = {}  # generator id -> actor handle
         self.next_index = 0
+        self.incarnations: dict[str, int] = {}  # generator id -> its live (or last) incarnation
         self.gen_stats: dict[str, GeneratorStats] = {}  # as of the last tick
-        self.carried = 0  # samples in the stream when the job (re)started
         self.last_tick = 0.0
         self.starting: dict[str, tuple[Any, Any]] = {}  # generator id -> (handle, ready ref)
         self.placement: dict[str, dict[str, float]] = {}  # generator id -> Ray resources asked
@@ -177,7 +177,7 @@ class Job:
             server = stack.enter_context(EmbeddedRedis(self.out / "redis", host=host, durable=cfg.queue.durable))
         self.redis_url = cfg.queue.redis_url or server.url
         self.stream = JobStream(cfg, self.redis_url, server)
-        self.carried = self.stream.check_fresh(self.resume)
+        self.stream.check_fresh(self.resume)
         self._mark("redis")
         if self.cluster is not None:
             self.cluster.wait_ready()
@@ -230,12 +230,14 @@ class Job:
         as many worker processes at once as the machine has cores, in the order asked for: the
         generators' engine start, the job's critical path, goes first."""
         from async_rlhf.launch.roles import Coordinator
+        from async_rlhf.launch.stream import StreamBooks
         from learners.checkpoints import checkpoint_version
 
         cfg = self.cfg
         self.start_version = checkpoint_version(self.out / "checkpoints") if self.resume else 0
+        books = StreamBooks(cfg.queue, self.redis_url, cfg.learner.batch_size, cfg.generator.group_size)
         self.coordinator = self.ray.remote(Coordinator).options(name="coordinator").remote(
-            cfg.max_staleness, cfg.learner.batch_size, self.start_version, self.carried)
+            cfg.max_staleness, cfg.learner.batch_size, books)
         for _ in range(cfg.generator.count):
             self._add_generator(dict(cfg.generator.resources))
         self._start_learners(self.resume)
@@ -287,9 +289,9 @@ class Job:
 
     def _restart_learners(self, why: str) -> int:
         """A learner rank died or hung: restart every rank from the newest checkpoint (ranks train in
-        lock-step, so they go back together), rebase the gate on what the stream holds as a
-        resumed job does, and form a new weight-sync epoch, whose first message brings the
-        generators back to that version. Returns the learner's version."""
+        lock-step, so they go back together; rank 0 records its version in the stream, which the
+        gate reads), and form a new weight-sync epoch, whose first message brings the generators
+        back to that version. Returns the learner's version."""
         ray, budget = self.ray, self.cfg.learner.max_restarts
         if report := out_of_memory(why, self.cfg, self.sizes):  # a restart would be killed the same way
             raise RuntimeError(report)
@@ -309,7 +311,6 @@ class Job:
         self._start_learners(resume=True)
         version = self._learners_ready()
         self.sync_failures = 0  # the new broadcaster counts its own
-        ray.get(self.coordinator.rebase.remote(version, self.stream.rebase()))
         self._new_epoch()
         print(f"learner restarted at version {version}", file=sys.stderr)
         return version
@@ -322,13 +323,15 @@ class Job:
         if index is None:
             index, self.next_index = self.next_index, self.next_index + 1
         gid = f"gen-{index}"
+        self.incarnations[gid] = incarnation = self.incarnations.get(gid, -1) + 1
         self.placement[gid] = resources
         need = self._generator_needs(resources)
         if gid not in self.groups:  # a replacement takes the bundle of the one it replaces
             self.groups[gid] = groups.reserve(self.ray, [need], "STRICT_PACK", gid)
         handle = self.ray.remote(GeneratorWorker).options(
             num_cpus=need.pop("CPU"), num_gpus=need.pop("GPU", 0), resources=need, max_concurrency=4,
-            name=gid, **groups.in_bundle(self.groups[gid])).remote(self.cfg, index, self.redis_url, self.coordinator)
+            name=gid, **groups.in_bundle(self.groups[gid])).remote(self.cfg, index, self.redis_url, self.coordinator,
+                                                                 incarnation)
         self.starting[gid] = (handle, handle.__ray_ready__.remote())
         print(f"generator {gid} starting{' on ' + json.dumps(resources) if resources else ''}")
         return gid
@@ -541,8 +544,7 @@ class Job:
         """While a step runs: watch generators, take requests, publish the status snapshot."""
         ray = self.ray
         self.last_tick = time.monotonic()
-        self._return_slots()  # also within a step (it may wait for the slots these free); and
-        # the job's own redis-server, if it died, is restarted there
+        self.stream.refresh()  # first: the job's own redis-server, if it died, is restarted there
         members = set(self.generators)
         for request in ray.get(self.coordinator.take_requests.remote()):
             self._place(request["id"], request["resources"])
@@ -582,17 +584,12 @@ class Job:
                               self.stream.accounting(), time.time())
         cluster.write_job_status(self.cfg.job, dataclasses.asdict(published))
 
-    def _return_slots(self) -> None:
-        """Groups gone untrained since the last call give their gate slots back."""
-        if gone := self.stream.newly_gone():
-            self.ray.get(self.coordinator.forget.remote(gone))
-
     def _lose_generator(self, gid: str, why: str) -> None:
         ray = self.ray
         handle = self.generators.pop(gid)
         ray.kill(handle)  # first: a half-alive generator must not finish a batch after release
         self.stall_watch.forget(gid)
-        freed = ray.get(self.coordinator.release.remote(gid))
+        freed = ray.get(self.coordinator.release.remote(gid, self.incarnations[gid]))
         print(f"generator {gid} lost ({why}); {freed} admitted samples released", file=sys.stderr)
         budget = self.cfg.generator.max_restarts
         if self.restarts < budget:  # replaced under the same id: it goes on with its prompts
@@ -623,9 +620,6 @@ class Job:
             print("start-up, seconds since the command: " + ", ".join(
                 f"{phase} {t:.1f}" for phase, t in self.startup.items()), flush=True)
         self.last_metrics = m
-        self._return_slots()
-        if m.samples_fresh < m.samples:  # re-used samples push the fresh ones back
-            self.ray.get(self.coordinator.step_trained.remote(m.samples_fresh))
         evals = self._evaluations(m.version, last)
         self.metrics.step(StepRecord.of(m, time=time.time() - self.start_time, step_s=step_s,
                                         gen_stats=self.gen_stats.values(), generators=len(self.generators),

@@ -44,43 +44,61 @@ SETTLED = ("ready", "refused", "failed")  # what an add-generators request ends 
 class Coordinator:
     """Shared state of one job.
 
-    A resumed job's gate is rebuilt from the learner's version and the stream, not from the
-    checkpoint alone: `start_version` batches were trained, and `carried` samples are still in
-    the stream (backlog and pending, from before the restart). Those are trained, or dropped
-    with a counted reason, before anything generated now, so they hold slots like any accepted
-    sample, and their drops give back slots the gate did hold."""
+    The gate's books have one source: `books.read()` (launch/stream.StreamBooks) gives the
+    learner's version and the samples accepted, both from the experience stream in one
+    transaction, re-read at every admission and snapshot. Nothing else writes `accepted`: not a
+    generator's finish, not the launcher on a learner restart, so no put can be missed between
+    two writers, and duplicate or foreign entries (counted by the stream's own scripts) free no
+    slot they never held. A generator whose weights are ahead of the learner (a learner that
+    restarted from its checkpoint) is admitted as if at the learner's version.
 
-    def __init__(self, max_staleness: int, batch_size: int, start_version: int = 0, carried: int = 0):
-        self.gate = StalenessGate(max_staleness, batch_size, accepted=start_version * batch_size + carried)
-        self.running: Counter[str] = Counter()
+    Generators are known by id and incarnation (a replacement reuses the id with a new
+    incarnation). `running` is the one count kept here; `release` of an incarnation is final and
+    idempotent: a late `finish` or `try_admit` from a killed incarnation changes nothing."""
+
+    def __init__(self, max_staleness: int, batch_size: int, books):
+        self.gate = StalenessGate(max_staleness, batch_size)
+        self.books = books
+        self.running: Counter[tuple[str, int]] = Counter()
+        self.released: set[tuple[str, int]] = set()
         self.requests: list[dict[str, Any]] = []  # add-generators requests not yet taken
         self.placements: dict[int, str] = {}  # request id -> what became of it
 
-    def try_admit(self, generator_id: str, n: int, version: int) -> bool:
-        if not self.gate.try_admit(n, version):  # also after a stop request: a learner step
-            return False                         # that is filling its batch needs the samples
-        self.running[generator_id] += n
+    def _learner_version(self) -> int:
+        """The learner's version; sets the gate's accepted from the same read."""
+        version, self.gate.accepted = self.books.read()
+        return version
+
+    def try_admit(self, generator_id: str, incarnation: int, n: int, version: int) -> bool:
+        key = (generator_id, incarnation)
+        if key in self.released:
+            return False
+        learner_version = self._learner_version()  # also after a stop request: a learner step
+        if not self.gate.try_admit(n, min(version, learner_version)):  # filling its batch needs them
+            return False
+        self.running[key] += n
         return True
 
-    def finish(self, generator_id: str, n_admitted: int, n_accepted: int) -> None:
-        self.gate.finish(n_admitted, n_accepted)
-        self.running[generator_id] -= n_admitted
+    def finish(self, generator_id: str, incarnation: int, n_admitted: int) -> None:
+        """A batch of generation ended (its groups are in the stream, or set aside)."""
+        key = (generator_id, incarnation)
+        if key in self.released:  # killed: its release freed these already
+            return
+        if n_admitted > self.running[key]:
+            raise ValueError(f"finish({generator_id!r}, {incarnation}, {n_admitted}) with "
+                             f"{self.running[key]} running: each batch must be finished once")
+        self.gate.ended(n_admitted)
+        self.running[key] -= n_admitted
 
-    def forget(self, n: int) -> None:
-        self.gate.forget(n)
-
-    def step_trained(self, fresh: int) -> None:
-        self.gate.step_trained(fresh)
-
-    def rebase(self, version: int, carried: int) -> None:
-        """The learner restarted from its checkpoint at `version`: count accepted as a resumed
-        job does (see the class docstring); admitted work in flight stays counted."""
-        self.gate.accepted = version * self.gate.batch_size + carried
-
-    def release(self, generator_id: str) -> int:
-        """A generator died: free the samples it had admitted and will never finish."""
-        n = self.running.pop(generator_id, 0)
-        self.gate.finish(n, 0)
+    def release(self, generator_id: str, incarnation: int) -> int:
+        """A generator incarnation died: free the samples it had admitted and will never finish
+        (at most once; later calls from or about it change nothing)."""
+        key = (generator_id, incarnation)
+        if key in self.released:
+            return 0
+        self.released.add(key)
+        n = self.running.pop(key, 0)
+        self.gate.ended(n)
         return n
 
     def request_generators(self, count: int, resources: dict[str, float] | None) -> list[int]:
@@ -104,6 +122,7 @@ class Coordinator:
 
     def snapshot(self, job: JobSnapshot) -> CoordinatorSnapshot:
         """The launcher's snapshot with the gate's counts and the unsettled requests."""
+        self._learner_version()
         return CoordinatorSnapshot(job, self.gate.accepted, self.gate.running,
                                    {i: state for i, state in self.placements.items()
                                     if not state.startswith(SETTLED)})
@@ -114,18 +133,20 @@ class _CoordinatorGate:
     per group as engine slots free (per batch with generator.schedule=lockstep), keyed on the
     version of the weights the group will start with."""
 
-    def __init__(self, coordinator, generator_id: str, version_fn):
+    def __init__(self, coordinator, generator_id: str, incarnation: int, version_fn):
         self.coordinator, self.generator_id, self.version_fn = coordinator, generator_id, version_fn
+        self.incarnation = incarnation
 
     def try_admit(self, n: int) -> bool:
         import ray
 
-        return ray.get(self.coordinator.try_admit.remote(self.generator_id, n, self.version_fn()))
+        return ray.get(self.coordinator.try_admit.remote(self.generator_id, self.incarnation, n, self.version_fn()))
 
     def finish(self, n_admitted: int, n_accepted: int) -> None:
+        """(n_accepted: already in the stream, which the coordinator reads)"""
         import ray
 
-        ray.get(self.coordinator.finish.remote(self.generator_id, n_admitted, n_accepted))
+        ray.get(self.coordinator.finish.remote(self.generator_id, self.incarnation, n_admitted))
 
 
 class GeneratorWorker:
@@ -138,7 +159,7 @@ class GeneratorWorker:
     newest, or the lagged one) at the safe point, which may be far off (between_groups waits for
     an empty engine)."""
 
-    def __init__(self, cfg: Config, index: int, redis_url: str, coordinator):
+    def __init__(self, cfg: Config, index: int, redis_url: str, coordinator, incarnation: int):
         from actors.generator import make_generator
         from actors.preferences import make_preference_producer
         from buffer.redis_stream import RedisExperienceQueue
@@ -146,7 +167,7 @@ class GeneratorWorker:
         ray_threads = threads_of()
         self.generator_id = f"gen-{index}"
         queue = RedisExperienceQueue.from_config(cfg.queue, redis_url, consumer=self.generator_id)
-        gate = _CoordinatorGate(coordinator, self.generator_id, lambda: self.generator.policy_version)
+        gate = _CoordinatorGate(coordinator, self.generator_id, incarnation, lambda: self.generator.policy_version)
         # data.source=preferences: a producer of the file's pairs takes the generator's place
         make = make_preference_producer if cfg.data.source == "preferences" else make_generator
         self.generator = make(cfg, queue, gate, index=index)

@@ -1,8 +1,6 @@
-"""The launcher's side of the experience stream: its counters read for the staleness gate
-(groups gone untrained give their gate slots back; a (re)started learner rebases the gate on
-what the stream holds), and the job's own redis-server, restarted when it dies or stops
-answering (alive but not replying to PING for HUNG_S: SIGSTOPped, wedged), which is killed
-first."""
+"""The launcher's side of the experience stream: the staleness gate's books, read from it
+(StreamBooks), and the job's own redis-server, restarted when it dies or stops answering
+(alive but not replying to PING for HUNG_S: SIGSTOPped, wedged), which is killed first."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ from typing import TypeVar
 
 import redis
 
-from async_rlhf.config import Config, redact_url
+from async_rlhf.config import Config, QueueConfig, redact_url
 from async_rlhf.messages import Accounting, not_trained
 from async_rlhf.protocols import QueueStats
 from buffer.redis_server import EmbeddedRedis
@@ -20,6 +18,33 @@ from buffer.redis_stream import RedisExperienceQueue
 
 T = TypeVar("T")
 HUNG_S = 10.0  # an embedded redis-server that answers no PING for this long is killed and restarted
+
+
+def gate_accepted(stats: QueueStats, batch_size: int, group_size: int) -> int:
+    """The staleness gate's `accepted` (samples) from one read of the stream: the learner has
+    consumed learner_version batches (fresh or re-used samples: one batch_size per version),
+    and our groups neither trained nor gone untrained (backlog and pending, less the held,
+    which the learner already trained) come next. Foreign entries are in none of these counts,
+    a duplicate is produced and acked, and after a learner restart the version is its
+    checkpoint's and nothing is held: the formula holds across every fault."""
+    c = stats.counters
+    untrained = c.get("produced", 0) - c.get("trained", 0) - not_trained(c) - stats.held
+    return stats.learner_version * batch_size + untrained * group_size
+
+
+class StreamBooks:
+    """The Coordinator's one source for its gate (picklable: connects on first use)."""
+
+    def __init__(self, queue: QueueConfig, url: str, batch_size: int, group_size: int):
+        self.cfg, self.url, self.batch_size, self.group_size = queue, url, batch_size, group_size
+        self._queue: RedisExperienceQueue | None = None
+
+    def read(self) -> tuple[int, int]:
+        """(the learner's version, the gate's accepted samples), read in one transaction."""
+        if self._queue is None:
+            self._queue = RedisExperienceQueue.from_config(self.cfg, self.url, consumer="coordinator")
+        stats = self._queue.stats()
+        return stats.learner_version, gate_accepted(stats, self.batch_size, self.group_size)
 
 
 class JobStream:
@@ -32,14 +57,12 @@ class JobStream:
         self.queue = RedisExperienceQueue.from_config(cfg.queue, url, consumer="driver",
                                                       retries=35 if server is None else 3,
                                                       socket_timeout=None if server is None else HUNG_S)
-        self.forgotten = 0  # groups gone untrained whose gate slots were already returned
         self.left_in_queue = 0  # as of the last read
-        self.last_stats: QueueStats | None = None  # newly_gone's
+        self.last_stats: QueueStats | None = None  # refresh's
         self.restarts = 0  # of the redis-server
 
-    def check_fresh(self, resume: bool) -> int:
-        """A new job must not train on (or count) another run's groups. Returns the samples
-        the stream holds, which a resumed job counts into its gate (see Coordinator)."""
+    def check_fresh(self, resume: bool) -> None:
+        """A new job must not train on (or count) another run's groups."""
         stats = self.queue.stats()
         produced = stats.counters.get("produced", 0)
         if produced and not resume:
@@ -47,29 +70,18 @@ class JobStream:
                 f"the experience stream {self.cfg.queue.stream!r} at {redact_url(self.url)} already "
                 f"holds {produced} groups from an earlier run: pass --resume to continue it, or set "
                 "queue.stream=<new name> (or use a fresh --out with the embedded Redis)")
-        return self.rebase(stats)
 
-    def rebase(self, stats: QueueStats | None = None) -> int:
-        """Count what is gone untrained as accounted for; returns the samples in the stream
-        (backlog and pending: whole groups of generator.group_size)."""
-        stats = self.stats() if stats is None else stats
-        self.forgotten = not_trained(stats.counters)
-        return (stats.backlog + stats.pending) * self.cfg.generator.group_size
-
-    def newly_gone(self) -> int:
-        """Samples of the groups gone untrained (stale, malformed, dead-lettered) since the last
-        call: their gate slots go back."""
+    def refresh(self) -> None:
+        """Read the stream's stats (each tick does, once), restarting the job's own
+        redis-server first if it died or stopped answering."""
         self.last_stats = stats = self.stats()
         self.left_in_queue = stats.backlog + stats.pending
-        gone, before = not_trained(stats.counters), self.forgotten
-        self.forgotten = max(gone, before)
-        return max(gone - before, 0) * self.cfg.generator.group_size
 
     def stats(self) -> QueueStats:
         return self._read(self.queue.stats)
 
     def accounting(self) -> Accounting:
-        """From the stats the last newly_gone read (each tick reads them once)."""
+        """From the stats the last refresh read."""
         return self._read(lambda: self.queue.accounting(self.last_stats))
 
     def _read(self, read: Callable[[], T]) -> T:
