@@ -244,10 +244,14 @@ class VLLMEngine:
                     f"generator.tensor_parallel={tensor_parallel} on CPU needs the engine core in a process "
                     "of its own (generator.engine_core_process=true); or use generator.count for more generators"
                 )
-            if tensor_parallel > 1:  # vLLM's automatic binding wants a NUMA node per rank: a core each
+            if tensor_parallel > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+                # vLLM's automatic binding wants a NUMA node per rank: a core each instead
                 cores = sorted(os.sched_getaffinity(0))
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                                      "|".join(str(cores[r % len(cores)]) for r in range(tensor_parallel)))
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[r % len(cores)])
+                                                                   for r in range(tensor_parallel))
+                from vllm import envs  # an engine built earlier in this process froze vLLM's env reads
+
+                envs.disable_envs_cache()
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process in (None, True) else "1"
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             torch.set_num_threads(threads)  # vLLM's CPU worker blocks later calls
