@@ -180,31 +180,50 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], dist.BroadcastOptions()).wait()
 
 
-def pack(named_tensors: Iterable[tuple[str, torch.Tensor]],
-         bucket_bytes: int) -> tuple[list[list[Param]], list[torch.Tensor]]:
-    """Tensors as flat uint8 buckets of about bucket_bytes: (per bucket its params, the buckets)."""
-    metas, buckets = [], []
-    for meta, chunks in _buckets(named_tensors, bucket_bytes):
-        metas.append(meta)
-        buckets.append(torch.cat(chunks))
+def pack(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+         dtype: torch.dtype | None = None) -> tuple[list[list[Param]], list[torch.Tensor]]:
+    """Tensors as flat uint8 host buckets of about bucket_bytes: (per bucket its params, the
+    buckets). `dtype`: floating-point tensors are cast to it (the receiving engine's dtype) where
+    they are, on the learner's device, before they leave it, so the host copy and the wire carry
+    the engine's bytes. Each tensor is copied once, straight into its bucket: beyond the buckets
+    themselves packing holds at most one cast tensor. A tensor over bucket_bytes gets a bucket
+    of its own. Tensors are taken one at a time as the iterator yields them (a ZeRO-3 gather may
+    free one as soon as the next is asked for)."""
+    metas: list[list[Param]] = [[]]
+    buckets: list[torch.Tensor] = []
+    bucket = torch.empty(0, dtype=torch.uint8)
+    used = 0
+    for name, tensor in named_tensors:
+        t = tensor.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        t = t.contiguous()
+        n = t.numel() * t.element_size()
+        if used and used + n > bucket.numel():  # full: close it, trimmed to what it holds
+            buckets.append(bucket[:used])
+            metas.append([])
+            used = 0
+        if not used:
+            bucket = torch.empty(_padded(max(bucket_bytes, n)), dtype=torch.uint8)
+        if n:
+            bucket[used:used + n].copy_(t.view(-1).view(torch.uint8))
+        metas[-1].append((name, str(t.dtype), list(t.shape)))
+        used = _padded(used + n)
+    if metas[-1]:
+        buckets.append(bucket[:used])
+    else:
+        metas.pop()
     return metas, buckets
 
 
-def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[tuple[list, list]]:
-    meta: list[Param] = []
-    chunks: list[torch.Tensor] = []
-    size = 0
-    for name, tensor in named_tensors:
-        t = tensor.detach().contiguous().cpu()
-        meta.append((name, str(t.dtype), list(t.shape)))
-        raw = t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        chunks += [raw, torch.zeros(_padded(raw.numel()) - raw.numel(), dtype=torch.uint8)]
-        size += raw.numel()
-        if size >= bucket_bytes:
-            yield meta, chunks
-            meta, chunks, size = [], [], 0
-    if meta:
-        yield meta, chunks
+def unpack(params: list[Param], data: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One bucket's tensors, as views into its bytes `data` (the inverse of pack)."""
+    named, offset = [], 0
+    for name, dtype, shape in params:
+        n = _nbytes(dtype, shape)
+        named.append((name, data[offset:offset + n].view(_DTYPES[dtype]).view(shape)))
+        offset += _padded(n)
+    return named
 
 
 class WeightBroadcaster:
@@ -221,10 +240,15 @@ class WeightBroadcaster:
     """
 
     def __init__(self, host: str = LOOPBACK, backend: str | None = None,
-                 bucket_mb: float = 64.0, timeout_s: float = 60.0):
+                 bucket_mb: float = 64.0, timeout_s: float = 60.0, dtype: str | None = None):
+        """`dtype`: the receiving engines' weight dtype (e.g. "bfloat16"), to which floating-point
+        weights are cast before they are packed; None sends them as they come."""
         self.host = host
         self.backend = backend or default_backend()
         self.bucket_bytes = int(bucket_mb * 2**20)
+        if dtype is not None and f"torch.{dtype}" not in _DTYPES:
+            raise ValueError(f"weight-sync dtype must be one of {sorted(d[6:] for d in _DTYPES)} or None, got {dtype!r}")
+        self.dtype = dtype and _DTYPES[f"torch.{dtype}"]
         self.timeout_s = timeout_s
         self._epoch = 0
         self._current: _Epoch | None = None
@@ -288,10 +312,14 @@ class WeightBroadcaster:
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Pack full weights stamped with `version` and hand them to the sender thread, which
         sends them to the current epoch's members while the learner goes on (`last_publish_s` is
-        the learner's share: the packing). A failure (a member died) is logged and counted,
+        the learner's share: the packing). The host holds the newest version packed (in `dtype`),
+        which a group that forms later is sent, and while a send of the previous one is under
+        way, that one too; nothing else. A failure (a member died) is logged and counted,
         never raised: the launcher forms a new epoch, which then receives the newest version."""
         start = time.perf_counter()
-        metas, buckets = pack(named_tensors, self.bucket_bytes)
+        with self._state:  # the previous version's buckets go now (or once the sender ends with them)
+            self._last = None
+        metas, buckets = pack(named_tensors, self.bucket_bytes, self.dtype)
         with self._state:
             self._last = (version, metas, buckets)
             self._state.notify_all()
@@ -359,7 +387,9 @@ class WeightReceiver:
         self._group = join_group(address, self._store, rank, host)
         self._device = _device(address.backend)
 
-    def receive(self, meta: UpdateMeta) -> WeightUpdate:
+    def receive(self, meta: UpdateMeta, to_host: bool = False) -> WeightUpdate:
+        """Take one update; `to_host`: move each bucket to host memory as it lands (an update
+        staged on a GPU then holds at most one bucket there, outside the engine's memory)."""
         if meta.epoch != self.address.epoch:
             raise RuntimeError(f"an update for weight-sync epoch {meta.epoch} reached a member of epoch "
                                f"{self.address.epoch}: the launcher must join members to the epoch first")
@@ -369,11 +399,7 @@ class WeightReceiver:
             data = torch.empty(meta.bucket_nbytes(i), dtype=torch.uint8, device=self._device)
             _broadcast(self._group, data)
             nbytes += data.numel()
-            offset = 0
-            for name, dtype, shape in params:
-                n = _nbytes(dtype, shape)
-                named.append((name, data[offset:offset + n].view(_DTYPES[dtype]).view(shape)))
-                offset += _padded(n)
+            named += unpack(params, data.cpu() if to_host else data)
         return WeightUpdate(meta.version, named, time.perf_counter() - start, nbytes)
 
     def close(self) -> None:
@@ -416,7 +442,7 @@ class StagedReceiver:
         if not joined:
             raise RuntimeError(f"weight update {meta.version} of epoch {meta.epoch} arrived, and this member "
                                f"had not joined that epoch within {wait_s:.0f} s")
-        update = receiver.receive(meta)
+        update = receiver.receive(meta, to_host=not load)
         if load:
             self._load_fn(update.named_tensors, update.version)
             return update.nbytes

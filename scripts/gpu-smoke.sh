@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The GPU smoke check: on a GPU machine that reaches the package registries, set up with CUDA
-# vLLM, torch and flash-attn, run the tests marked `gpu`, then a 20-step demo on the GPU, and
-# print one line per check: "ok", "FAIL" or "skipped", with what it saw. Exit 1 if one failed.
+# vLLM 0.32 and torch, run the tests marked `gpu`, then a 20-step demo on the GPU, and print one
+# line per check: "ok", "FAIL" or "skipped", with what it saw. Exit 1 if one failed.
 #
 #   scripts/gpu-smoke.sh             # set up .venv-gpu (pip install -e ".[gpu,test]"), then check
-#   scripts/gpu-smoke.sh --installed # no install: with the python on PATH, every check whose
-#                                    # packages are there (DeepSpeed on CUDA, NCCL, the weight
-#                                    # buckets); the demo only where vLLM imports
+#   scripts/gpu-smoke.sh --installed # no install: with the python on PATH (and PYTHONPATH set to
+#                                    # this checkout), every check whose packages are there. With
+#                                    # torch, transformers, pytest and msgspec plus DeepSpeed's
+#                                    # pure-Python wheel: DeepSpeed on CUDA (ZeRO-0, ZeRO-3 bf16 and
+#                                    # its gather), the learner step, the bucket format, the
+#                                    # transformers engine; NCCL between members with 2+ GPUs; the
+#                                    # demo only where vLLM, Ray and Redis import.
+# flash-attention 2 is opt-in (pip install -e ".[flash]"): without it the learner uses SDPA.
 # Logs go to runs/gpu-smoke/.
 set -u
 cd "$(dirname "$0")/.."
@@ -48,7 +53,7 @@ else
     line tests FAIL "$(tail -1 "$LOGS/tests.log") (see $LOGS/tests.log)"
 fi
 
-if "$PY" -c "import vllm" 2>/dev/null; then
+if "$PY" -c "import vllm, ray, redis" 2>/dev/null; then
     if timeout 600 "$PY" -m async_rlhf.launch.cli train --config configs/demo.yaml --job gpu-smoke \
         --out "$LOGS/demo" learner.steps=20 >"$LOGS/demo.log" 2>&1 && grep -q "lost=0" "$LOGS/demo.log"; then
         line demo ok "$(grep -E '^start-up|^step +20/' "$LOGS/demo.log" | tr -s ' ' | paste -sd ';')"
@@ -56,6 +61,6 @@ if "$PY" -c "import vllm" 2>/dev/null; then
         line demo FAIL "20 steps of configs/demo.yaml: see $LOGS/demo.log"
     fi
 else
-    line demo skipped "vLLM does not import"
+    line demo skipped "vLLM, Ray or Redis does not import with $PY"
 fi
 exit $failed

@@ -26,6 +26,15 @@ def pytest_unconfigure(config):
     shutil.rmtree(_HOME, ignore_errors=True)
 
 
+def pytest_ignore_collect(collection_path, config):
+    """`-m gpu` collects tests/test_gpu.py alone, the module of every `gpu` test: the others import
+    the CPU stack at their top (Ray, Redis, vLLM), which a GPU machine set up with torch and
+    transformers alone does not have (tests/test_gpu_env.py checks both)."""
+    if config.getoption("markexpr") == "gpu" and collection_path.name.startswith("test_"):
+        return collection_path.name != "test_gpu.py"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests run where CUDA is, and are skipped (with the reason) elsewhere."""
     import torch

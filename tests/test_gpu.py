@@ -1,6 +1,9 @@
 """The GPU paths, chosen by device with the same code shape as the CPU ones: NCCL weight
-broadcast, flash-attention 2 and ZeRO-3 in the learner. Marked `gpu`: skipped on a machine without CUDA
-(tests/conftest.py), run as they are where one is lent."""
+broadcast, the bucket format, the learner step (flash-attention 2 where installed) and ZeRO-3,
+the transformers engine. Marked `gpu`: skipped on a machine without CUDA (tests/conftest.py),
+run as they are where one is lent. This module imports only torch, transformers and the project's
+floor at its top: a GPU machine with those alone collects it, and each test that needs more
+(DeepSpeed, flash-attn, a second GPU) is skipped naming what is missing."""
 
 import math
 import multiprocessing as mp
@@ -11,9 +14,17 @@ import pytest
 import torch
 
 from async_rlhf.config import LearnerConfig
-from async_rlhf.weight_sync import WeightBroadcaster, WeightReceiver
+from async_rlhf.weight_sync import WeightBroadcaster, WeightReceiver, pack, unpack
 
 pytestmark = pytest.mark.gpu
+_NO_DEEPSPEED = "DeepSpeed is not installed: pip install deepspeed==0.19.8 (DS_BUILD_OPS=0; its wheel is pure Python)"
+
+
+def _deepspeed_backend():
+    pytest.importorskip("deepspeed", reason=_NO_DEEPSPEED)
+    import learners.deepspeed_backend as ds_backend
+
+    return ds_backend
 
 
 def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
@@ -76,19 +87,34 @@ def test_nccl_member_death_is_a_counted_failure_not_the_learners():
     with sender._state:
         sender._state.wait_for(lambda: sender._current.group is not None, 60)
     member.join(60)
-    assert not sender.publish(_weights(1), version=1)
+    sender.publish(_weights(1), version=1)  # handed to the sender thread, which meets the dead member
+    with sender._state:
+        assert sender._state.wait_for(lambda: sender.failures, 60)
     assert sender.failures == 1 and "version 1 in epoch 1 failed" in sender.last_error
     sender.close()
 
 
-def test_bf16_learner_uses_flash_attention_and_trains(tiny_actor_model):
-    pytest.importorskip("flash_attn")
-    from learners.deepspeed_backend import DeepSpeedBackend
+def test_buckets_are_cast_on_the_gpu_and_unpack_on_it():
+    """The bucket format with CUDA tensors: cast to bf16 on the GPU, one host bucket each within
+    the budget, unpacked back onto the GPU as the cast tensors."""
+    weights = [(n, t.cuda()) for n, t in _weights(3)] + [("big", torch.randn(4096, device="cuda"))]
+    metas, buckets = pack(weights, 1024, torch.bfloat16)
+    assert all(b.device.type == "cpu" and (b.numel() <= 1024 or len(m) == 1) for m, b in zip(metas, buckets))
+    got = [pair for m, b in zip(metas, buckets) for pair in unpack(m, b.cuda())]
+    assert [(n, t.dtype, t.device.type) for n, t in got] == [(n, torch.bfloat16, "cuda") for n, _ in weights]
+    assert all(torch.equal(a, b.to(torch.bfloat16)) for (_, a), (_, b) in zip(got, weights))
 
-    backend = DeepSpeedBackend(LearnerConfig(batch_size=4, micro_batch=4, lr=1e-3),
-                               str(tiny_actor_model), dtype="bfloat16")
+
+def test_bf16_learner_step_on_the_gpu(tiny_actor_model):
+    """ZeRO-0 with bf16 autocast on CUDA trains; attention is flash-attention 2 where flash-attn is
+    installed (the `flash` extra), SDPA otherwise."""
+    import importlib.util
+
+    backend = _deepspeed_backend().DeepSpeedBackend(LearnerConfig(batch_size=4, micro_batch=4, lr=1e-3),
+                                                    str(tiny_actor_model), dtype="bfloat16")
     assert backend.device.startswith("cuda")
-    assert backend.engine.module.config._attn_implementation == "flash_attention_2"
+    flash = importlib.util.find_spec("flash_attn") is not None
+    assert backend.engine.module.config._attn_implementation == ("flash_attention_2" if flash else "sdpa")
     ids = torch.randint(4, 50, (4, 12), device=backend.device)
     positions = torch.arange(5, 11, device=backend.device).expand(4, -1)
     before = [p.detach().clone() for p in backend.engine.module.parameters()]
@@ -98,12 +124,28 @@ def test_bf16_learner_uses_flash_attention_and_trains(tiny_actor_model):
     assert any(not torch.equal(a, b) for a, b in zip(before, backend.engine.module.parameters()))
 
 
+def test_hf_engine_samples_and_loads_weights_on_the_gpu(tiny_actor_model):
+    from transformers import AutoModelForCausalLM
+
+    from actors.engines.hf_engine import HFEngine
+    from async_rlhf.types import Prompt
+
+    engine = HFEngine(tiny_actor_model, max_new_tokens=6)
+    assert engine.device == "cuda"
+    (group,) = engine.generate([Prompt("p", (5, 6, 7), "", "")], n=2)
+    assert len(group) == 2 and all(len(s.response_ids) >= 1 for s in group)
+    state = AutoModelForCausalLM.from_pretrained(tiny_actor_model).state_dict()
+    engine.update_weights(((k, 2 * v) for k, v in state.items()), version=1)
+    embed = engine.model.model.embed_tokens.weight
+    assert engine.policy_version == 1 and embed.is_cuda and torch.equal(embed.cpu(), 2 * state["model.embed_tokens.weight"])
+
+
 def test_zero3_builds_partitioned_trains_in_bf16_and_gathers_zero0s_weights(tiny_actor_model, monkeypatch):
     """ZeRO-3 on a GPU: the policy is built partitioned (never whole on the GPU), a bf16-autocast
     step trains it, and before that step its gathered weights are ZeRO-0's, name for name."""
     import dataclasses
 
-    import learners.deepspeed_backend as ds_backend
+    ds_backend = _deepspeed_backend()
 
     partitioned = []
     load_models = ds_backend.load_models

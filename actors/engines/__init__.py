@@ -21,6 +21,13 @@ def vllm_settings(cfg: GeneratorConfig, device: str, model_dtype: str = "float32
     return {key: default if getattr(cfg, key) == "auto" else getattr(cfg, key) for key, default in auto.items()}
 
 
+def weights_dtype(cfg: GeneratorConfig, device: str, model_dtype: str = "float32") -> str | None:
+    """The dtype `cfg`'s engine holds its weights in on `device`, to which the learner casts each
+    update before it leaves the learner's device (bf16 engines: half the bytes of fp32); None
+    for the transformers engine, which takes updates as they come (its model is fp32)."""
+    return vllm_settings(cfg, device, model_dtype)["dtype"] if cfg.engine == "vllm" else None
+
+
 def make_engine(
     cfg: GeneratorConfig, model_path: str | Path, *, seed: int = 0, device: str | None = None,
     model_dtype: str = "float32",

@@ -239,19 +239,28 @@ class VLLMEngine:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._environ = dict(os.environ)  # vLLM sets variables in this process; close() undoes it
         if self.device == "cpu":
-            if tensor_parallel != 1:
+            if tensor_parallel != 1 and in_process in (None, True):
                 raise ValueError(
-                    f"generator.tensor_parallel must be 1 on CPU, got {tensor_parallel}: "
-                    "use generator.count for more generators instead"
+                    f"generator.tensor_parallel={tensor_parallel} on CPU needs the engine core in a process "
+                    "of its own (generator.engine_core_process=true); or use generator.count for more generators"
                 )
+            if tensor_parallel > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+                # vLLM's automatic binding wants a NUMA node per rank: a core each instead
+                cores = sorted(os.sched_getaffinity(0))
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[r % len(cores)])
+                                                                   for r in range(tensor_parallel))
+                from vllm import envs  # an engine built earlier in this process froze vLLM's env reads
+
+                envs.disable_envs_cache()
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process in (None, True) else "1"
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             torch.set_num_threads(threads)  # vLLM's CPU worker blocks later calls
         # With the engine core in another process, every call is a message on one ZMQ socket,
         # which is not thread-safe: the engine loop's steps and the weight-sync calls (another
         # thread) take turns. In-process calls need no such turn.
-        in_process = self.device == "cpu" and in_process in (None, True)
-        self._client = contextlib.nullcontext() if in_process else threading.Lock()
+        # Re-entrant: a weight load holds it from the pause to the resume (see _new_weights).
+        self._in_process = self.device == "cpu" and in_process in (None, True)
+        self._client = contextlib.nullcontext() if self._in_process else threading.RLock()
         self._set_num_threads = torch.set_num_threads  # vLLM replaces it; close() puts it back
         try:
             from vllm import LLM, SamplingParams
@@ -277,6 +286,11 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel,
+            # Inside a Ray placement group vLLM would pick its Ray executor, whose
+            # initialize_ray_cluster rejects a bundle of more than one GPU (the launcher gives a
+            # generator one bundle of tensor_parallel GPUs): its own worker processes, on the GPUs
+            # Ray gave this actor, instead. Every worker is a weight-sync member (sync_ranks).
+            distributed_executor_backend="mp" if tensor_parallel > 1 else None,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WeightReloadExtension",
             seed=seed,
@@ -377,23 +391,23 @@ class VLLMEngine:
         """Take the update the learner is broadcasting now, in every worker; `load`: load it at
         once (call between two steps), else stage it there for `load_staged`, letting go of the
         staged versions not in `keep`. Returns the bytes each worker received."""
-        nbytes = self._rpc("receive_weights", dataclasses.asdict(meta), load, list(keep))[0]
-        if load:
-            self._loaded(meta.version)
-        return nbytes
+        if not load:
+            return self._rpc("receive_weights", dataclasses.asdict(meta), load, list(keep))[0]
+        with self._new_weights(meta.version):
+            return self._rpc("receive_weights", dataclasses.asdict(meta), load, list(keep))[0]
 
     def load_staged(self, version: int) -> None:
         """Load a staged version in every worker (between two steps); older ones are let go."""
-        self._rpc("load_staged", version)
-        self._loaded(version)
+        with self._new_weights(version):
+            self._rpc("load_staged", version)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load full HF-named weights held by this process (tests, bench-gen): they travel as the
         RPC's arguments, so with the engine core in another process they are serialised; jobs
         use receive_weights."""
         weights = [(name, t.detach()) for name, t in named_tensors]
-        self._rpc("reload_named_weights", weights)
-        self._loaded(version)
+        with self._new_weights(version):
+            self._rpc("reload_named_weights", weights)
 
     def _rpc(self, method: str, *args) -> list:
         """Call the worker extension's `method` on every worker; their results. A weight update
@@ -409,11 +423,24 @@ class VLLMEngine:
                 raise WeightMismatchError(str(e)) from e
             raise
 
-    def _loaded(self, version: int) -> None:
-        """New weights are in: sample as `version` from the next step on (groups in flight keep
-        their KV cache and go on with the new weights)."""
-        with self._client:
-            self._engine.set_weight_version(str(version))
+    @contextlib.contextmanager
+    def _new_weights(self, version: int):
+        """Around a load: once it is in, sample as `version` from the next step on (groups in
+        flight keep their KV cache and go on with the new weights). In this process the engine
+        steps only when asked, between loads. An engine core in its own process steps on by
+        itself, and the load and the version stamp are two messages to it: it is paused (requests
+        kept) from before the load until the stamp is set, so that no step runs between them
+        with the new weights and the old stamp."""
+        core = self._engine.engine_core
+        with self._client:  # the engine loop's steps wait until the resume
+            if not self._in_process:
+                core.call_utility("pause_scheduler", "keep", False)
+            try:
+                yield
+                self._engine.set_weight_version(str(version))
+                self._version = version
+            finally:
+                if not self._in_process:
+                    core.call_utility("resume_scheduler")
             if not self.num_sequences:  # free the old versions' blocks (vLLM refuses while requests run)
                 self.llm.reset_prefix_cache()
-        self._version = version

@@ -406,6 +406,7 @@ class LearnerWorker:
         """Join the ranks at `master` and load the model (resumed from the newest checkpoint,
         or the initial weights if there is none); rank 0 also opens the weight broadcaster on
         its node's address. Returns this rank's node address."""
+        from actors.engines import weights_dtype
         from async_rlhf.weight_sync import WeightBroadcaster
 
         lower_priority(WORKER_NICE)  # the engines start first (procs.STARTUP_NICE)
@@ -427,7 +428,9 @@ class LearnerWorker:
         torch.set_num_threads(cfg.learner.threads)
         backend = make_backend(cfg.learner, cfg.model.path, dtype=cfg.model.dtype,
                                temperature=cfg.generator.temperature, seed=cfg.seed)
-        self.broadcaster = WeightBroadcaster(host=here, timeout_s=60) if rank == 0 else None
+        # the generators' weight dtype: the job's generators are on GPUs where its learner is
+        wire = weights_dtype(cfg.generator, "cuda" if torch.cuda.is_available() else "cpu", cfg.model.dtype)
+        self.broadcaster = WeightBroadcaster(host=here, timeout_s=60, dtype=wire) if rank == 0 else None
         self.learner = Learner(
             cfg.learner, backend, max_staleness=cfg.max_staleness, group_size=cfg.generator.group_size,
             queue=RedisExperienceQueue.from_config(cfg.queue, self.redis_url, consumer=f"learner-{rank}")
