@@ -37,7 +37,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from async_rlhf.config import Config, ConfigError
+from async_rlhf.config import Config, ConfigError, StageCosts
 from async_rlhf.launch.memory import GB, MemoryEstimate, Sizes, estimate
 
 # The share of the node's available memory a job may plan to use: the rest covers the estimate's
@@ -95,7 +95,7 @@ def apply_placement(cfg: Config, devices: int, gpu: bool, memory: float | None =
     config that does not fit raises ConfigError with the estimate and the settings that would.
     On GPUs the devices' memory is not checked yet."""
     if cfg.placement == "auto":
-        cfg, chosen = _by_costs(cfg, devices, gpu)
+        cfg, chosen = _by_costs(_scaled_costs(cfg, sizes), devices, gpu)
     else:
         chosen = ""
     if memory is None or sizes is None or gpu:
@@ -109,6 +109,21 @@ def apply_placement(cfg: Config, devices: int, gpu: bool, memory: float | None =
         if changed:
             chosen += f" (to fit: {changed})"
     return fitted, chosen
+
+
+# The parameters of the preset the default stage costs were measured on (small)
+COSTS_MEASURED_ON = 38.6e6
+
+
+def _scaled_costs(cfg: Config, sizes: Sizes | None) -> Config:
+    """The default stage costs scaled up to a larger model's size (both stages' compute grows with
+    its parameters), so the printed bound is of this model; below the small preset per-sample
+    overheads dominate, and costs the config sets are kept."""
+    scale = sizes.shape.params / COSTS_MEASURED_ON if sizes else 1.0
+    if scale <= 1.0 or cfg.stage_costs != StageCosts():
+        return cfg
+    costs = StageCosts(generator_s=cfg.stage_costs.generator_s * scale, learner_s=cfg.stage_costs.learner_s * scale)
+    return dataclasses.replace(cfg, stage_costs=costs)
 
 
 def _by_costs(cfg: Config, devices: int, gpu: bool) -> tuple[Config, str]:
