@@ -159,6 +159,7 @@ class RedisExperienceQueue:
         self._claim_cursor = b"0-0"
         self._held: set[str] = set()  # delivered to this consumer, not yet acked
         self._recovering = True  # until _recover_own finds nothing a predecessor left
+        self._recover_after = "-"  # _recover_own's page: the stream id it goes on after
         try:
             client.xgroup_create(stream, group, id="0", mkstream=True)
         except redis.ResponseError as e:
@@ -278,12 +279,14 @@ class RedisExperienceQueue:
         """Entries pending under this consumer's name that this object never received: a
         previous incarnation of the consumer (a restarted learner) held them when it died.
         They are ours, so take them at once rather than after claim_idle_ms. Called until it
-        finds none (they are the oldest of our pending entries, so they come first)."""
-        pending = self._r.xpending_range(self.stream, self.group, min="-", max="+", count=count,
-                                         consumername=self.consumer)
-        ids = [p["message_id"] for p in pending if p["message_id"].decode() not in self._held]
-        self._recovering = bool(ids)
-        return self._claim(ids)
+        has paged past the last of them (they are the oldest of our pending entries, so they
+        come first; those taken stay pending while held, so each call starts after the last)."""
+        pending = self._r.xpending_range(self.stream, self.group, min=self._recover_after, max="+",
+                                         count=count, consumername=self.consumer)
+        if pending:
+            self._recover_after = "(" + pending[-1]["message_id"].decode()  # exclusive: Redis >= 6.2
+        self._recovering = bool(pending)
+        return self._claim([p["message_id"] for p in pending if p["message_id"].decode() not in self._held])
 
     def _claim(self, ids: list[bytes]) -> list[tuple[bytes, dict]]:
         """Claim `ids` with their fields (one more delivery each); those delivered more than
