@@ -380,7 +380,10 @@ def test_a_learner_rank_that_dies_or_hangs_restarts_every_rank(tmp_path, tiny_ac
     with it until the step passes learner.step_timeout_s); then rank 0 SIGKILLed once the last
     step is recorded, in (or just before) the final checkpoint, which is written again. The job
     trains every step, exports the policy and loses no group."""
-    name, steps = "ranks", 27  # not a multiple of checkpoint_every: v27 is written only at the end
+    # not a multiple of checkpoint_every: the last version is written only at the end; and steps
+    # enough that the job is still training once the test has seen the first restart (a step of
+    # the tiny model takes ~0.1 s, the status command ~1 s)
+    name, steps = "ranks", 57
     proc = _train(tmp_path, tiny_actor_model, name, f"learner.steps={steps}", "max_staleness=1",
                   "learner.checkpoint_every=5", "learner.ranks=2", "learner.zero_stage=2",
                   "learner.wait_s=15", "learner.step_timeout_s=20")
