@@ -60,6 +60,7 @@ from async_rlhf.protocols import AdmissionGate, ExperienceQueue, GenerationEngin
 from async_rlhf.types import Group, Prompt, Sample, Trajectory, TrajectoryError
 
 from actors.agents import AgentEngine
+from actors.dynamic_sampling import DrawBound
 from actors.episodes import EpisodeEngine, episodes_of
 from actors.prompts import PromptStream, make_prompt_stream
 from actors.rewards import Scored, Scorer
@@ -95,6 +96,7 @@ class Generator:
         schedule: Literal["stream", "lockstep"] = "stream",
         weight_updates: Literal["inflight", "between_groups"] = "inflight",
         drop_uniform_groups: bool = False,
+        max_draws_per_group: int = 4,
         poll_s: float = 0.05,
     ):
         if max_inflight < group_size:
@@ -104,6 +106,7 @@ class Generator:
         self.group_size, self.max_inflight = group_size, max_inflight
         self.schedule, self.weight_updates = schedule, weight_updates
         self.drop_uniform_groups = drop_uniform_groups
+        self._draws = DrawBound(max_draws_per_group, generator_id)  # scorer threads, under _results
         self.poll_s = poll_s
         # a generator that restarts (replaced, or its job resumed) continues its prompt stream
         # where the groups it put in the stream end
@@ -293,8 +296,7 @@ class Generator:
         with self._results:
             self._seconds["score"] += time.perf_counter() - start
             group = self._group(flight, samples, scored, gen_s)
-            if isinstance(group, Group) and self.drop_uniform_groups and _uniform(group):
-                self._drop_uniform()
+            if isinstance(group, Group) and self._dropped(group):
                 self._resolved(flight, 0)
             elif isinstance(group, Group):
                 self._held.append((flight, group))
@@ -368,14 +370,19 @@ class Generator:
             observation_spans=sample.observation_spans,
         )
 
-    def _drop_uniform(self) -> None:
+    def _dropped(self, group: Group) -> bool:
         """Dynamic sampling (DAPO): a group whose rewards are all equal has advantage 0 for
-        every sample, so it is dropped, counted, and its gate slots freed for another."""
+        every sample, so it is dropped, counted, and its gate slots freed for another; unless
+        this generator's recent draws per group put would pass generator.max_draws_per_group
+        (actors/dynamic_sampling.py): then it goes on, so steps keep the generation rate."""
+        if not (self.drop_uniform_groups and self._draws.drop(_uniform(group))):
+            return False
         self._counts["dropped_uniform"] += 1
         try:
             self.queue.count_dropped("uniform")
         except Exception:  # noqa: BLE001 - the count is the stream's; generation goes on
             log.exception("%s: could not count a dropped uniform group", self.generator_id)
+        return True
 
     def _set_aside_group(self, prompt: Prompt, samples: list[Sample], reason: str, detail: str) -> None:
         self._set_aside[reason] += 1
@@ -396,6 +403,7 @@ class Generator:
     def stats(self) -> GeneratorStats:
         """Counters and seconds since start (see GeneratorStats for what each counts)."""
         gen_s = self._seconds["generate"]
+        drawn, dropped, admitted = self._draws.counts
         return GeneratorStats(
             generator_id=self.generator_id,
             policy_version=self.engine.policy_version,
@@ -411,6 +419,9 @@ class Generator:
             set_aside=dict(self._set_aside),
             set_aside_total=sum(self._set_aside.values()),
             dropped_uniform=self._counts["dropped_uniform"],
+            recent_drawn=drawn,
+            recent_dropped=dropped,
+            admitted_uniform=admitted,
             dead_letter_errors=self._counts["dead_letter_errors"],
             weight_updates=self._counts["weight_updates"],
             inflight_updates=self._counts["inflight_updates"],
@@ -475,6 +486,7 @@ def make_generator(
         schedule=g.schedule,
         weight_updates=g.weight_updates,
         drop_uniform_groups=g.drop_uniform_groups,
+        max_draws_per_group=g.max_draws_per_group,
     )
 
 

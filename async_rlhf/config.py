@@ -223,6 +223,13 @@ class GeneratorConfig(_Section):
     # is dropped before the stream and counted (dropped_uniform); the gate frees its slots, so
     # the generator keeps producing and learner batches stay full of groups that teach.
     drop_uniform_groups: bool = False
+    # Dynamic sampling's bound: at most this many groups drawn (generated and scored) per group
+    # put on the stream, over each generator's last 8x this many groups. Past it, uniform groups
+    # go to the stream (advantage 0, counted as admitted_uniform, a warning the first time), so
+    # a solved task's steps keep the generation rate instead of stalling; dropping resumes once
+    # the rate falls back. 1: drop nothing. verl raises an error at its cap instead (DAPO's
+    # recipe: 10 generation batches of 3x the train batch).
+    max_draws_per_group: int = 4
 
     def _validate(self) -> None:
         _check(self.max_restarts >= 0, "generator.max_restarts", self.max_restarts, ">= 0")
@@ -232,6 +239,8 @@ class GeneratorConfig(_Section):
         _check(0 <= self.nice <= 19, "generator.nice", self.nice, "from 0 (normal priority) to 19 (lowest)")
         self._positive("count", "group_size", "max_new_tokens", "threads", "reward_concurrency")
         self._positive("temperature", "tensor_parallel", "stall_s")
+        _check(self.max_draws_per_group >= 1, "generator.max_draws_per_group", self.max_draws_per_group,
+               ">= 1 (groups drawn per group put; 1: dynamic sampling drops nothing)")
         _check(self.engine == "vllm" or not self.engine_core_process, "generator.engine_core_process",
                self.engine_core_process, f"false with generator.engine={self.engine} (vLLM's option)")
         if self.gpu_memory_utilization != "auto":

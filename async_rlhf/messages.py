@@ -256,6 +256,12 @@ class GeneratorStats:
     # with env.agent: calls left out of their episode's trajectory, a later call having
     # rewritten the history they were part of (actors/agents.py)
     rewrites: int = 0
+    # with generator.drop_uniform_groups: its recent groups drawn (the window of
+    # generator.max_draws_per_group's bound, actors/dynamic_sampling.py) and, of them, dropped;
+    # uniform groups put since the start because dropping them would have passed that bound
+    recent_drawn: int = 0
+    recent_dropped: int = 0
+    admitted_uniform: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -278,6 +284,7 @@ class GeneratorTotals:
     idle_s: float = 0.0
     weight_update_s: float = 0.0
     dropped_uniform: float = 0.0
+    admitted_uniform: float = 0.0
     episodes: float = 0.0
     turns: float = 0.0
     env_s: float = 0.0

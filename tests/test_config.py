@@ -91,6 +91,8 @@ def test_rewards_list(tmp_path):
         ("learner.overlong=cut", "learner.overlong must be one of 'none', 'mask', 'soft'"),
         ("learner.reward_clip=-1", "learner.reward_clip must be >= 0 (0: no clipping), got -1.0"),
         ("env.max_turns=0", "env.max_turns must be > 0, got 0"),
+        ("generator.max_draws_per_group=0", "generator.max_draws_per_group must be >= 1 (groups drawn per group "
+                                            "put; 1: dynamic sampling drops nothing), got 0"),
         ("env.target=myenv", "env.target must be module:Class, e.g. actors.envs:GuessNumber"),
         ("env.args=[1]", "env.args must be a mapping, got [1]"),
         ("learner.lr_warmup_steps=-1", "learner.lr_warmup_steps must be in 0..learner.steps (50): a warmup "

@@ -644,38 +644,52 @@ def _trained_from(tmp_path: Path, name: str, *gids: str) -> bool:
 
 FLAKY_REWARD = """
 import math
-from actors.tasks import score
 
 calls = 0
 
 
 def flaky(prompts, responses):
-    # the task's reward, NaN for every 20th sample this process scores
+    # a task the policy has solved (every response scores 1), NaN for every 20th sample this
+    # process scores
     global calls
     out = []
-    for reward in score(prompts, responses):
+    for _ in responses:
         calls += 1
-        out.append(math.nan if calls % 20 == 0 else reward)
+        out.append(math.nan if calls % 20 == 0 else 1.0)
     return out
 """
 
 
-def test_a_reward_that_fails_now_and_then_never_splits_a_group(tmp_path, tiny_actor_model):
+def test_a_flaky_reward_splits_no_group_and_a_solved_task_keeps_training_under_dynamic_sampling(
+        tmp_path, tiny_actor_model):
+    """A reward that fails now and then sets whole groups aside, never part of one. Its other
+    groups are all uniform (a solved task) under dynamic sampling: unbounded, every one would be
+    dropped and the learner would wait past learner.wait_s for data that never comes. With
+    generator.max_draws_per_group=4, one group in 4 goes on: the 12 steps finish, the warning
+    names the key, the step line and metrics.jsonl show 75% dropped."""
     (tmp_path / "flaky_reward.py").write_text(FLAKY_REWARD)
     name = "flaky"
     out = tmp_path / name
     env = {**_env(tmp_path), "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     cmd = [sys.executable, "-m", "async_rlhf.launch.cli", "train", "--job", name, "--out", str(out),
            f"model.path={tiny_actor_model}", *TINY, "learner.steps=12", "max_staleness=1",
-           "rewards=[{kind: function, target: 'flaky_reward:flaky'}]"]
+           "rewards=[{kind: function, target: 'flaky_reward:flaky'}]", "generator.drop_uniform_groups=true"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-5000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     assert len(metrics) == 12
     assert all(m["group_size_min"] == 2 and m["groups_singleton"] == 0 for m in metrics)
     assert summary["set_aside"].get("set_aside:reward_nan", 0) > 0  # the failures did happen
     _check_accounting(summary)
+    [gen] = summary["generators"]
+    assert gen["admitted_uniform"] == gen["groups"] > 0  # every group put was uniform, past the bound
+    assert 3 * gen["groups"] - 3 <= gen["dropped_uniform"] == summary["dropped_uniform"] <= 3 * gen["groups"] + 3
+    assert (gen["recent_drawn"], gen["recent_dropped"]) == (32, 24), gen  # a full window: 3 of 4 dropped
+    assert metrics[-1]["uniform_drop_rate"] == 0.75 and metrics[-1]["gen_totals"]["admitted_uniform"] > 0
+    assert re.search(r"step   12/12 .* uniform dropped 75% \(\d+ admitted past the bound\)", log), log[-3000:]
+    assert log.count("generator.max_draws_per_group=4 drawn per group put") == 1, log[-3000:]
 
 
 def test_failed_start_ends_with_a_clear_error_and_a_summary(tmp_path, tiny_actor_model):

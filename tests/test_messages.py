@@ -121,6 +121,12 @@ def test_a_job_record_reaches_metrics_jsonl_tensorboard_the_console_and_the_benc
     episodes = StepRecord.of(_step(1), time=1.0, step_s=1.0, generators=1,
                              gen_stats=[_gen(episodes=4, turns=10), _gen(episodes=4, turns=7)])
     assert episodes.console_line(4).endswith("t 1s  turns/episode 2.12")
+    assert "uniform dropped" not in out  # dynamic sampling off: no window, no rate
+    sampling = StepRecord.of(_step(1), time=1.0, step_s=1.0, generators=2, gen_stats=[
+        _gen(recent_drawn=32, recent_dropped=24, admitted_uniform=5), _gen(recent_drawn=8, recent_dropped=2)])
+    assert sampling.uniform_drop_rate == 26 / 40 and sampling.gen_totals.admitted_uniform == 5
+    assert sampling.console_line(4).endswith("t 1s  uniform dropped 65% (5 admitted past the bound)")
+    assert StepRecord.from_json(json.loads(json.dumps(sampling.to_json()))) == sampling
 
     bench = summarise(tmp_path, warmup=1)
     assert bench.timed_steps == 3 and bench.window_s == 30.0 and bench.samples_per_s == 24 / 30

@@ -27,7 +27,8 @@ class StepRecord:
     `time`: seconds from the command's start to the step's end; `step_s`: the step's seconds as
     the launcher saw them; gen_*: the generators' stats as of the last tick (gen_totals since
     they started, summed over generators); `generators`: how many are alive; `evals`: held-out
-    evaluations finished since the last step."""
+    evaluations finished since the last step; `uniform_drop_rate`: with dynamic sampling, the
+    share of the generators' recent groups drawn that were dropped as uniform (None without)."""
 
     metrics: StepMetrics
     time: float
@@ -36,14 +37,17 @@ class StepRecord:
     gen_totals: GeneratorTotals
     generators: int
     evals: tuple[EvalResult, ...] = ()
+    uniform_drop_rate: float | None = None
 
     @classmethod
     def of(cls, m: StepMetrics, *, time: float, step_s: float, gen_stats: Iterable[GeneratorStats],
            generators: int, evals: Iterable[EvalResult] = ()) -> StepRecord:
         gen_stats = list(gen_stats)
+        drawn = sum(s.recent_drawn for s in gen_stats)
         return cls(m, time=round(time, 3), step_s=step_s,
                    gen_tokens_per_s=sum(s.tokens_per_s for s in gen_stats),
-                   gen_totals=GeneratorTotals.of(gen_stats), generators=generators, evals=tuple(evals))
+                   gen_totals=GeneratorTotals.of(gen_stats), generators=generators, evals=tuple(evals),
+                   uniform_drop_rate=sum(s.recent_dropped for s in gen_stats) / drawn if drawn else None)
 
     @property
     def samples_per_s(self) -> float:
@@ -67,28 +71,36 @@ class StepRecord:
                "generators": self.generators, **self.metrics.to_json()}
         if self.evals:
             row["evals"] = [e.to_json() for e in self.evals]
+        if self.uniform_drop_rate is not None:
+            row["uniform_drop_rate"] = self.uniform_drop_rate
         return row
 
     @classmethod
     def from_json(cls, row: Mapping[str, Any]) -> StepRecord:
         job = ("step", "policy_version", "time", "step_s", "samples_per_s", "learner_tokens_per_s", "weight_sync_share",
-               "gen_tokens_per_s", "gen_totals", "generators", "evals")
+               "gen_tokens_per_s", "gen_totals", "generators", "evals", "uniform_drop_rate")
         return cls(StepMetrics.from_json({k: v for k, v in row.items() if k not in job}),
                    time=row["time"], step_s=row["step_s"], gen_tokens_per_s=row["gen_tokens_per_s"],
                    gen_totals=GeneratorTotals(**row["gen_totals"]), generators=row["generators"],
-                   evals=tuple(EvalResult.from_json(e) for e in row.get("evals", ())))
+                   evals=tuple(EvalResult.from_json(e) for e in row.get("evals", ())),
+                   uniform_drop_rate=row.get("uniform_drop_rate"))
 
     def scalars(self) -> dict[str, float]:
         """TensorBoard's tags and values: the row's numbers."""
         return {k: v for k, v in self.to_json().items() if isinstance(v, (int, float))}
 
     def console_line(self, steps: int) -> str:
-        m = self.metrics
-        return (f"step {m.version:>4}/{steps}  reward {m.reward_mean:.3f}  loss {m.loss:+.4f}  "
+        m, g = self.metrics, self.gen_totals
+        line = (f"step {m.version:>4}/{steps}  reward {m.reward_mean:.3f}  loss {m.loss:+.4f}  "
                 f"staleness max {m.staleness_max} mean {m.staleness_mean:.2f}  "
                 f"{self.samples_per_s:.1f} samples/s  sync {m.weight_sync_s * 1000:.0f} ms  "
-                f"gens {self.generators}  t {self.time:.0f}s"
-                + (f"  turns/episode {g.turns / g.episodes:.2f}" if (g := self.gen_totals).episodes else ""))
+                f"gens {self.generators}  t {self.time:.0f}s")
+        if g.episodes:
+            line += f"  turns/episode {g.turns / g.episodes:.2f}"
+        if self.uniform_drop_rate is not None:  # dynamic sampling: why steps slow, and its bound
+            line += f"  uniform dropped {self.uniform_drop_rate:.0%}"
+            line += f" ({g.admitted_uniform:.0f} admitted past the bound)" if g.admitted_uniform else ""
+        return line
 
 
 def completion_line(group: CompletionGroup, width: int = 48) -> str:
