@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -277,8 +277,14 @@ class TrainBackend(Protocol):
         step, by learner.lr_schedule)."""
         ...
 
+    def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full weight) for every policy parameter, where it lives and each valid only
+        until the next is asked for (no copy: a weight update copies each into its bucket).
+        Collective: every rank iterates to the end; only rank 0's tensors are meaningful."""
+        ...
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's full weights as CPU tensors under their HF names, on rank 0 ({} elsewhere)."""
+        """The policy's full weights copied to CPU under their HF names, on rank 0 ({} elsewhere)."""
         ...
 
     def save_checkpoint(self, ckpt_dir: str | os.PathLike, tag: str, client_state: dict) -> None:

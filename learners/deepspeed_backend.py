@@ -244,20 +244,21 @@ class DeepSpeedBackend(HeldModels):
 
     # -- weights ---------------------------------------------------------------------------
     def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full CPU tensor) for every policy parameter; ZeRO-3 shards gathered one
-        parameter at a time. Collective: every rank must iterate to the end; only rank 0's
-        tensors are meaningful (others get empty ones)."""
+        """(HF name, full tensor on the learner's device) for every policy parameter, each valid
+        until the next is asked for (no copy; ZeRO-3 shards gathered one parameter at a time).
+        Collective: every rank must iterate to the end; only rank 0's tensors are meaningful
+        (others get empty ones at ZeRO-3)."""
         deepspeed = _import_deepspeed()
         for name, p in self.engine.module.named_parameters():
             if self.cfg.zero_stage == 3:
                 with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                    yield name, p.data.detach().to("cpu", copy=True) if self.rank == 0 else torch.empty(0)
+                    yield name, p.data.detach() if self.rank == 0 else torch.empty(0)
             else:
-                yield name, p.detach().to("cpu", copy=True)
+                yield name, p.detach()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """All policy weights on rank 0 ({} elsewhere). Collective."""
-        weights = dict(self.named_full_weights())
+        """All policy weights on rank 0, copied to CPU ({} elsewhere). Collective."""
+        weights = {name: t.to("cpu", copy=True) for name, t in self.named_full_weights()}
         return weights if self.rank == 0 else {}
 
     def save_pretrained(self, out_dir: str | os.PathLike) -> None:

@@ -48,7 +48,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -215,13 +215,17 @@ class Learner:
         """Gather full weights (collective) and hand them to the publisher stamped with the
         current version. step() calls it; call it after resume() so generators catch up."""
         timing = collections.Counter() if timing is None else timing
-        t = time.perf_counter()
-        weights = self.backend.full_state_dict() if self._publish else {}
-        timing["weight_gather"] = time.perf_counter() - t
+        timing["weight_gather"] = timing["publish"] = 0.0
+        if not self._publish:
+            return
+        # streamed: each weight goes straight into its bucket, with no whole copy of the model
+        weights = _timed(self.backend.named_full_weights(), timing, "weight_gather")
         t = time.perf_counter()
         if self.rank == 0 and self.publisher is not None:
-            self.publisher.publish(weights.items(), self.version)
-        timing["publish"] = time.perf_counter() - t
+            self.publisher.publish(weights, self.version)
+        else:
+            collections.deque(weights, maxlen=0)  # the gather is collective: every rank goes to the end
+        timing["publish"] = time.perf_counter() - t - timing["weight_gather"]
 
     # -- rank 0: the stream ----------------------------------------------------------------
     def _collect(self) -> tuple[list[Received], list[str]]:
@@ -586,3 +590,14 @@ class Learner:
             self.queue.ack(self.queue.renew(state.get("acks_due", [])), reason="trained")
             self.queue.learner_restarted(self.version)
         return True
+
+
+def _timed(items: Iterator, timing: collections.Counter, key: str) -> Iterator:
+    """`items`, adding the seconds spent producing each to timing[key]."""
+    while True:
+        start = time.perf_counter()
+        item = next(items, None)
+        timing[key] += time.perf_counter() - start
+        if item is None:
+            return
+        yield item

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -83,8 +84,11 @@ class TorchBackend(HeldModels):
             group["lr"] = lr
 
     # -- weights and checkpoints -----------------------------------------------------------
+    def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((name, p.detach()) for name, p in self.model.named_parameters())
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}
+        return {name: t.to("cpu", copy=True) for name, t in self.named_full_weights()}
 
     def save_pretrained(self, out_dir: str | os.PathLike) -> None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)

@@ -92,7 +92,7 @@ class RecordingPublisher:
         self.versions, self.weights = [], {}
 
     def publish(self, named_tensors, version):
-        self.weights = dict(named_tensors)
+        self.weights = {name: t.to("cpu", copy=True) for name, t in named_tensors}  # each valid until the next
         self.versions.append(version)
 
 
