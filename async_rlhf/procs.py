@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import signal
@@ -193,4 +194,16 @@ def lower_priority(nice: int, since: set[int] | None = None) -> None:
             if now < nice and (since is not None or now >= STARTUP_NICE):
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError:  # gone meanwhile
+            pass
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's freed pages back to the OS (glibc's malloc_trim; elsewhere nothing).
+    glibc keeps what a process frees for its own reuse: a weight update's thousands of
+    tensors, each under its mmap threshold, leave their whole size in the heap after they are
+    freed (measured: ~0.8 GiB kept per update of a 0.5B bf16 engine, which malloc_trim gave back)."""
+    if sys.platform == "linux":
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except AttributeError:  # a libc without it (musl)
             pass

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from async_rlhf.messages import SyncAddress
-from async_rlhf.procs import LOOPBACK
+from async_rlhf.procs import LOOPBACK, return_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -445,7 +445,9 @@ class StagedReceiver:
         update = receiver.receive(meta, to_host=not load)
         if load:
             self._load_fn(update.named_tensors, update.version)
-            return update.nbytes
+            nbytes, update = update.nbytes, None
+            return_freed_memory()  # the update's tensors, freed, would stay in this process's heap
+            return nbytes
         keep = set(keep)
         with self._lock:
             self._staged = {v: t for v, t in self._staged.items() if v in keep}
@@ -460,6 +462,8 @@ class StagedReceiver:
             named_tensors = self._staged[version]
             self._staged = {v: t for v, t in self._staged.items() if v > version}
         self._load_fn(named_tensors, version)
+        named_tensors = None
+        return_freed_memory()
 
     def close(self) -> None:
         if self._receiver is not None:
