@@ -151,7 +151,8 @@ def _learner_rank(cfg: Config, sizes: Sizes) -> float:
         ref_bf16 = lc.reference_dtype == "bfloat16" or (lc.reference_dtype == "auto" and bf16_compute)
         reference = p * (2 if ref_bf16 else w)
     critic = trained if lc.advantage == "gae" else 0.0
-    publish = 4 * p  # rank 0's copy of the weights for the weight sync, streamed to the generators
+    # rank 0's weight update, packed in the engines' dtype (each weight copied straight into it)
+    publish = p * _engine_bytes(cfg, sizes.native_bf16)
     tokens = lc.micro_batch * min(m.max_positions, cfg.generator.max_new_tokens + sizes.prompt_tokens(cfg))
     per_layer = tokens * 4 * (HIDDEN_ACTIVATIONS * m.hidden + MLP_ACTIVATIONS * m.intermediate)
     kept = tokens * 4 * m.hidden * m.layers + per_layer if lc.gradient_checkpointing else per_layer * m.layers
@@ -160,14 +161,20 @@ def _learner_rank(cfg: Config, sizes: Sizes) -> float:
     return BASE_GB["learner"] * GB + trained + reference + critic + publish + activations + logits
 
 
-def _engine(cfg: Config, m: ModelShape, native_bf16: bool, gpu: bool) -> float:
+def _engine_bytes(cfg: Config, native_bf16: bool) -> int:
+    """Bytes a parameter of an engine's weights takes (generator.dtype)."""
     g = cfg.generator
     dtype = g.dtype if g.dtype != "auto" else ("bfloat16" if native_bf16 else cfg.model.dtype)
-    w = 4 if dtype == "float32" else 2
+    return 4 if dtype == "float32" else 2
+
+
+def _engine(cfg: Config, m: ModelShape, native_bf16: bool, gpu: bool) -> float:
+    g = cfg.generator
+    w = _engine_bytes(cfg, native_bf16)
     # the KV cache vLLM allocates (VLLM_CPU_KVCACHE_SPACE on CPU, which it fills at start); on
     # GPU its share of the device, not of the host
     kv = 0.0 if gpu else float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * GB
-    staged = m.params * 4 * (1 + g.weight_lag)  # updates arrive in the learner's float32
+    staged = m.params * w * (1 + g.weight_lag)  # updates arrive in the engine's dtype
     logits = g.max_inflight * m.vocab * 4 * 2
     workers = g.reward_concurrency * BASE_GB["reward_worker"] * GB
     return BASE_GB["generator"] * GB + m.params * w + kv + staged + logits + workers
@@ -203,10 +210,12 @@ def out_of_memory(error: str, cfg: Config, sizes: Sizes | None) -> str | None:
     largest = re.findall(r"^\d+\t([\d.]+)\t(\S+)", error, re.MULTILINE)[:3]
     est = estimate(cfg, sizes) if sizes else None
     parts = {"Learner": ("learner rank", est and est.learner_rank), "Generator": ("generator", est and est.generator)}
-    described = []
+    described, scale = [], {}  # scale: measured over estimated, by part
     for used, command in largest:
         name, guess = next((v for k, v in parts.items() if k in command), (command, None))
         described.append(f"{name} {used} GB" + (f" (estimated {guess / GB:.1f} GiB)" if guess else ""))
+        if guess:
+            scale.setdefault(name, float(used) * 1e9 / guess)
     text = "out of memory: Ray's memory monitor killed " + (
         f"{killed.group(1)} ({killed.group(2)} GB)" if killed else "a worker")
     if node:
@@ -216,10 +225,19 @@ def out_of_memory(error: str, cfg: Config, sizes: Sizes | None) -> str | None:
     if est and node:
         from async_rlhf.launch.placement import MEMORY_SHARE, _candidates, _changes
 
-        scale = float(node.group(1)) * 1e9 / est.total  # what was used over what was estimated
+        # each part's estimate scaled by what its process measured (the node's fill over the
+        # whole estimate where neither was among the largest)
+        whole = float(node.group(1)) * 1e9 / est.total
+        learner, generator = scale.get("learner rank", whole), scale.get("generator", whole)
+
+        def scaled(e: MemoryEstimate) -> float:
+            return e.total + e.learner_rank * e.ranks * (learner - 1) + \
+                (e.generator * e.generators + e.evaluator) * (generator - 1)
+
         room = MEMORY_SHARE * float(node.group(2)) * 1e9
-        fits = [c for c in _candidates(cfg) if _changes(cfg, c) and estimate(c, sizes).total * scale <= room]
-        text += (f". Set {_changes(cfg, fits[0])} (estimated to fit, after the estimate's {scale:.2f}x here)"
+        fits = [c for c in _candidates(cfg) if _changes(cfg, c) and scaled(estimate(c, sizes)) <= room]
+        text += (f". Set {_changes(cfg, fits[0])} (estimated to fit, after scaling the estimate by what was "
+                 f"measured here: learner {learner:.2f}x, generator {generator:.2f}x)"
                  if fits else
                  ". Free memory on this node, or lower generator.count, learner.micro_batch or the model's size")
     return text
