@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from matplotlib.figure import Figure
 
 from async_rlhf.launch.cli import main
 from async_rlhf.launch.metrics import MetricsLog, StepRecord
@@ -56,8 +57,46 @@ def test_plot_overlays_runs_into_titled_pngs(tmp_path, capsys):
     assert {Path(p).stem for p in written} == names
     for p in written:
         assert Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and Path(p).stat().st_size > 20_000
-    with pytest.raises(SystemExit, match="holds no metrics.jsonl: pass the --out directory of a train job"):
+    with pytest.raises(SystemExit, match="holds no metrics.jsonl or trl.json: pass the --out directory of a train job"):
         main(["plot", str(tmp_path / "a" / "plots")])
+
+
+def test_plot_overlays_trl_baseline_on_the_reward_figure(tmp_path, capsys, monkeypatch):
+    _run(tmp_path / "ours", 0.2)
+    steps = [{"step": 1, "t": 9.5, "reward": 0.1}, {"step": 2, "t": 12.0, "reward": 0.4},
+             {"step": 3, "t": 14.5, "reward": 0.9}]
+    (tmp_path / "trl").mkdir()
+    (tmp_path / "trl" / "trl.json").write_text(json.dumps(  # as scripts/trl_baseline.py writes it
+        {"config": "configs/bench.yaml", "bf16": True, "steps": steps, "samples_per_s": 25.6,
+         "first_step_s": 9.5, "target": 0.9, "reward_target_s": 14.5, "train_wall_s": 5.0, "command_s": 15.1}))
+    drawn: dict[str, list[list[tuple[str, list, list]]]] = {}  # figure -> per panel (label, x, y) of each line
+    legends: dict[str, list[str]] = {}
+    save = Figure.savefig
+
+    def record_then_save(fig, path, **kwargs):  # the real save, after noting what the figure holds
+        stem = Path(path).stem
+        drawn[stem] = [[(ln.get_label(), list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.get_lines()]
+                       for ax in fig.axes]
+        legends[stem] = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        save(fig, path, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record_then_save)
+    capsys.readouterr()
+    assert main(["plot", str(tmp_path / "ours"), str(tmp_path / "trl"), "--out", str(tmp_path / "plots")]) == 0
+    written = {Path(p).stem for p in capsys.readouterr().out.split()}
+    assert (tmp_path / "plots" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trl = f"{tmp_path / 'trl'} (TRL GRPOTrainer, bf16) train (batch)"
+    ours = f"{tmp_path / 'ours'} train (batch)"
+    by_step, by_time = ({label: (x, y) for label, x, y in panel} for panel in drawn["reward"])
+    assert by_step[trl] == ([1, 2, 3], [0.1, 0.4, 0.9])
+    assert by_time[trl] == ([9.5, 12.0, 14.5], [0.1, 0.4, 0.9])  # seconds since the command
+    assert by_time[ours] == ([2.0, 4.0, 6.0, 8.0], pytest.approx([0.2, 0.4, 0.6, 0.8]))
+    assert {trl, ours} <= set(legends["reward"])
+    # what TRL does not record has our curves alone; the stage times are ours (one column)
+    assert written == {"reward", "kl", "entropy", "response_length", "staleness", "throughput", "stage_times"}
+    for stem in written - {"reward"}:
+        assert all("TRL" not in label for panel in drawn[stem] for label, _, _ in panel)
+    assert len(drawn["stage_times"]) == 2
 
 
 def test_the_glossary_explains_every_name_a_row_holds(tmp_path):

@@ -1,6 +1,10 @@
 """`async-rlhf plot RUN [RUN...]`: PNGs of finished (or running) jobs from their OUT/metrics.jsonl,
 several runs overlaid with a legend. Each figure has two panels, the same curves over learner
-steps and over wall time (seconds from the command); `stage_times.png` has one panel per run."""
+steps and over wall time (seconds from the command); `stage_times.png` has one panel per run.
+
+A RUN may also be the --out of `scripts/trl_baseline.py` (its trl.json): TRL's GRPOTrainer's batch
+reward then joins reward.png, read as rows of our schema holding only the fields TRL gives (step,
+time, reward_mean); the figures of what it does not record lack its curve."""
 
 from __future__ import annotations
 
@@ -17,16 +21,16 @@ Row = dict[str, Any]
 # file -> (title, y label, [(legend suffix, value of a row or None, line style)])
 CURVES: dict[str, tuple[str, str, list[tuple[str, Callable[[Row], float | None], str]]]] = {
     "reward": ("Reward", "mean reward", [
-        ("train (batch)", lambda r: r["reward_mean"], "-"),
+        ("train (batch)", lambda r: r.get("reward_mean"), "-"),
         ("held-out, greedy", lambda r: _eval(r, "eval_reward"), "o--")]),
     "kl": ("KL to the reference policy", "KL", [("", lambda r: r.get("kl"), "-")]),
-    "entropy": ("Policy entropy", "nats per token", [("", lambda r: r["entropy"], "-")]),
+    "entropy": ("Policy entropy", "nats per token", [("", lambda r: r.get("entropy"), "-")]),
     "response_length": ("Response length", "tokens the model sampled", [
         ("mean", lambda r: r.get("response_len_mean"), "-"),
         ("max", lambda r: r.get("response_len_max"), ":")]),
     "staleness": ("Staleness of trained samples", "policy versions old", [
-        ("mean", lambda r: r["staleness_mean"], "-"), ("max", lambda r: r["staleness_max"], ":")]),
-    "throughput": ("Throughput", "trained samples / s", [("", lambda r: r["samples_per_s"], "-")]),
+        ("mean", lambda r: r.get("staleness_mean"), "-"), ("max", lambda r: r.get("staleness_max"), ":")]),
+    "throughput": ("Throughput", "trained samples / s", [("", lambda r: r.get("samples_per_s"), "-")]),
 }
 
 # the learner step's phases, in the order they run (time_<phase> in metrics.jsonl)
@@ -41,14 +45,27 @@ def _eval(row: Row, key: str) -> float | None:
     return evals[-1][key] if evals else None
 
 
-def read_run(run: Path) -> list[Row]:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        raise SystemExit(f"{run} holds no metrics.jsonl: pass the --out directory of a train job")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_run(run: Path) -> tuple[str, list[Row]]:
+    """The legend label and rows of one run: a train job's metrics.jsonl, or a TRL baseline's
+    trl.json as rows of the same schema (step, time, reward_mean)."""
+    ours, trl = run / "metrics.jsonl", run / "trl.json"
+    if ours.is_file() and trl.is_file():
+        raise SystemExit(f"{run} holds both metrics.jsonl and trl.json: give `train` and "
+                         "scripts/trl_baseline.py each its own --out")
+    if trl.is_file():
+        result = json.loads(trl.read_text())
+        rows = [{"step": s["step"], "time": s["t"], "reward_mean": s["reward"]} for s in result["steps"]]
+        label = f"{run} (TRL GRPOTrainer, {'bf16' if result['bf16'] else 'float32'})"
+        path = trl
+    elif ours.is_file():
+        rows = [json.loads(line) for line in ours.read_text().splitlines() if line.strip()]
+        label, path = str(run), ours
+    else:
+        raise SystemExit(f"{run} holds no metrics.jsonl or trl.json: pass the --out directory of a train "
+                         "job or of scripts/trl_baseline.py")
     if not rows:
-        raise SystemExit(f"{path} is empty: the job has not finished a learner step yet")
-    return rows
+        raise SystemExit(f"{path} records no step yet: the job has not finished a learner step")
+    return label, rows
 
 
 def plot_runs(runs: dict[str, list[Row]], out: Path) -> list[Path]:
@@ -78,9 +95,12 @@ def plot_runs(runs: dict[str, list[Row]], out: Path) -> list[Path]:
             axes[1].set_title(f"{title}, by wall time")
             axes[1].legend(fontsize=8)
         written.append(path)
+    timed = {label: rows for label, rows in runs.items() if "step_s" in rows[0]}  # train jobs', not TRL's
+    if not timed:
+        return written
     path = out / "stage_times.png"
-    with figure(path, 2, len(runs), figsize=(6.5 * len(runs), 7), dpi=100, squeeze=False, sharey=True) as axes:
-        for col, (label, rows) in enumerate(runs.items()):
+    with figure(path, 2, len(timed), figsize=(6.5 * len(timed), 7), dpi=100, squeeze=False, sharey=True) as axes:
+        for col, (label, rows) in enumerate(timed.items()):
             steps = [r["step"] for r in rows]
             learner = [[r.get(f"time_{p}", 0.0) / r["step_s"] if r["step_s"] else 0.0 for r in rows] for p in PHASES]
             learner.append([max(0.0, 1.0 - sum(s)) for s in zip(*learner)])
@@ -116,7 +136,8 @@ def _colors():
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+", type=Path, help="train output directories (each with metrics.jsonl)")
+    parser.add_argument("runs", nargs="+", type=Path, help="train output directories (each with metrics.jsonl) "
+                        "or scripts/trl_baseline.py's (with trl.json)")
     parser.add_argument("--out", type=Path, help="where the PNGs go (default: RUN/plots of the first run)")
 
 
@@ -124,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     labels = [str(r) for r in args.runs]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"each run once, got {' '.join(labels)}")
-    runs = {label: read_run(path) for label, path in zip(labels, args.runs)}
+    runs = dict(read_run(path) for path in args.runs)
     for path in plot_runs(runs, args.out or args.runs[0] / "plots"):
         print(path)
     return 0
