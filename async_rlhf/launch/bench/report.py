@@ -302,30 +302,41 @@ def _from_the_command(report: BenchReport) -> list[str]:
 
 
 def plot(report: BenchReport, path: Path) -> None:
+    from matplotlib.patches import Patch
+
     runs = report.runs
     names = [r.setting.name for r in runs]
+    colors = {"colocated": "C1", "synchronous": "C7", "asynchronous": "C0"}  # legend label -> bar colour
     with figure(path, 2, 2, figsize=(12, 8)) as axes:
+        axes[0][0].figure.suptitle(f"async-rlhf bench: {report.config}, {report.cpus} cores, "
+                                   f"{report.timed_steps} timed steps per setting after {report.warmup} warm-up")
         ax = axes[0][0]
         ax.bar(names, [r.window.samples_per_s for r in runs],
-               color=["C1" if r.setting.placement == "colocated" else ("C0" if r.setting.max_staleness else "C7")
-                      for r in runs])
-        ax.axhline(report.bounds.min_samples_per_s, color="k", ls="--", label="stage bound")
-        ax.legend()
+               color=[colors["colocated" if r.setting.placement == "colocated" else
+                             "asynchronous" if r.setting.max_staleness else "synchronous"] for r in runs])
+        bound = ax.axhline(report.bounds.min_samples_per_s, color="k", ls="--",
+                           label="stage bound (the slower stage alone)")
+        top = max(report.bounds.min_samples_per_s, *(r.window.samples_per_s for r in runs))
+        ax.set_ylim(0, 1.4 * top)  # room for the legend above the bars and the bound
+        ax.legend(handles=[*(Patch(color=c, label=f"{k} (k {'> 0' if k == 'asynchronous' else '= 0'})")
+                             for k, c in colors.items()), bound], fontsize=7, ncol=2, loc="upper left")
+        ax.set_xlabel("setting")
         ax.set_ylabel("trained samples / s")
-        ax.set_title("Throughput by setting (grey: k = 0, orange: colocated)")
+        ax.set_title("Throughput by setting")
         ax.tick_params(axis="x", rotation=45, labelsize=7)
         ax = axes[0][1]
         x = range(len(runs))
         ax.bar([i - 0.2 for i in x], [r.window.gen_idle for r in runs], width=0.4, label="generator idle")
         ax.bar([i + 0.2 for i in x], [r.window.learner_idle for r in runs], width=0.4, label="learner idle")
         ax.set_xticks(list(x), names, rotation=45, fontsize=7)
-        ax.set_ylabel("idle fraction")
+        ax.set_xlabel("setting")
+        ax.set_ylabel("fraction of the timed window idle")
         ax.set_title("Idle time of each stage")
         ax.legend()
-        for r in runs:
+        for r in runs:  # a marker at each policy: a run that made one policy still shows
             c = r.window.policy_curve
-            axes[1][0].plot([p["samples"] for p in c], [p["reward"] for p in c], label=r.setting.name)
-            axes[1][1].plot([p["time"] for p in c], [p["reward"] for p in c], label=r.setting.name)
+            for ax, x_key in zip(axes[1], ("samples", "time")):
+                ax.plot([p[x_key] for p in c], [p["reward"] for p in c], "o-", markersize=3, label=r.setting.name)
         axes[1][0].set_xlabel("samples trained to make the policy")
         axes[1][1].set_xlabel("when the policy was made, seconds from the command's start")
         axes[1][0].set_title("Reward by samples trained")
