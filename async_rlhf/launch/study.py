@@ -222,7 +222,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ks = sorted({r["k"] for r in report["runs"]})
     metric = report["metrics"][0]
     key = CURVES[metric]
-    with figure(path, 1, len(losses), figsize=(5 * len(losses), 4), sharey=True, squeeze=False, dpi=110) as axes:
+    with figure(path, 1, len(losses), figsize=(max(7, 5 * len(losses)), 4), sharey=True, squeeze=False, dpi=110) as axes:
+        # the long title once over the panels (and 7 inches at least): a panel's 5 inches cut it off
+        axes[0][0].figure.suptitle("Held-out reward by staleness bound k (band: the seeds' min-max)")
         for ax, loss in zip(axes[0], losses):
             for k in ks:
                 curves = [r["curve"] for r in report["runs"] if r["k"] == k and (k == 0 or r["loss"] == loss)]
@@ -235,9 +237,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
             if report["blind_ceiling"] is not None:  # known for the pick task only
                 ax.axhline(report["blind_ceiling"], color="grey", linestyle=":", label="prompt-blind ceiling")
-            ax.set_title(f"Held-out reward by staleness bound k: {loss}")
+            ax.set_title(loss if loss == SYNC else f"loss: {loss}")
             ax.set_xlabel("trained samples")
-        axes[0][0].set_ylabel(f"held-out reward ({metric}); band: seeds' min-max")
+        axes[0][0].set_ylabel(f"held-out reward ({metric})")
         axes[0][0].legend()
 
 
