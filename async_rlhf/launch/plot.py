@@ -23,7 +23,7 @@ CURVES: dict[str, tuple[str, str, list[tuple[str, Callable[[Row], float | None],
     "reward": ("Reward", "mean reward", [
         ("train (batch)", lambda r: r.get("reward_mean"), "-"),
         ("held-out, greedy", lambda r: _eval(r, "eval_reward"), "o--")]),
-    "kl": ("KL to the reference policy", "KL", [("", lambda r: r.get("kl"), "-")]),
+    "kl": ("KL to the reference policy", "KL estimate, nats per token", [("", lambda r: r.get("kl"), "-")]),
     "entropy": ("Policy entropy", "nats per token", [("", lambda r: r.get("entropy"), "-")]),
     "response_length": ("Response length", "tokens the model sampled", [
         ("mean", lambda r: r.get("response_len_mean"), "-"),
