@@ -12,6 +12,7 @@ rest by gradient accumulation), generator.group_size per prompt, at the config's
 temperature and response length, with no KL term (TRL's default beta = 0, as ours). Prints one
 line per step and writes OUT/trl.json: seconds since the command at each step, its batch reward,
 the steady samples/s (after --warmup steps) and the time to a batch reward >= --target.
+`async-rlhf plot runs/ours runs/trl` draws that batch reward beside a train run's (reward.png).
 """
 
 from __future__ import annotations
