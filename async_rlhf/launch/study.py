@@ -222,7 +222,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ks = sorted({r["k"] for r in report["runs"]})
     metric = report["metrics"][0]
     key = CURVES[metric]
-    with figure(path, 1, len(losses), figsize=(max(7, 5 * len(losses)), 4), sharey=True, squeeze=False, dpi=110) as axes:
+    with figure(path, 1, len(losses), figsize=(max(7, 5 * len(losses)), 4), sharey=True, squeeze=False,
+                dpi=110) as axes:
         # the long title once over the panels (and 7 inches at least): a panel's 5 inches cut it off
         axes[0][0].figure.suptitle("Held-out reward by staleness bound k (band: the seeds' min-max)")
         for ax, loss in zip(axes[0], losses):
