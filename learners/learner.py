@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from async_rlhf.config import LearnerConfig
 from async_rlhf.messages import CompletionGroup, StepMetrics, StepTimes
+from async_rlhf.procs import return_freed_memory
 from async_rlhf.protocols import ExperienceQueue, ReplayBuffer, TrainBackend, WeightPublisher
 from async_rlhf.types import Group, Received, TrajectoryError
 from learners import advantages as adv_fns
@@ -178,6 +179,9 @@ class Learner:
                 self._unsaved = self.queue.hold(self._unsaved + first_use, self.version)
 
         self.publish_weights(timing)
+        # the step's freed gradients, activations and temporaries stay in the heaps of the threads
+        # that freed them, out of the next step's reach: 14.8 -> 11.8 GiB on a 0.5B model's rank
+        return_freed_memory()
         every = self.cfg.checkpoint_every
         if self.ckpt_dir and every and self.version % every == 0:
             t = time.perf_counter()

@@ -197,5 +197,5 @@ def test_an_out_of_memory_end_names_the_parts_their_estimates_and_a_setting_that
                            "(estimated "), text
     assert "generator 4.86 GB (estimated " in text
     assert ("Set learner.ranks=1, learner.threads=2, learner.gradient_checkpointing=true (estimated to fit, "
-            "after scaling the estimate by what was measured here: learner 1.02x, generator 1.25x)") in text
+            "after scaling the estimate by what was measured here: learner 1.02x, generator 0.83x)") in text
     assert out_of_memory("RayActorError: the actor died unexpectedly", cfg, sizes) is None

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from async_rlhf.messages import SyncAddress
-from async_rlhf.procs import LOOPBACK
+from async_rlhf.procs import LOOPBACK, return_freed_memory
 from async_rlhf.types import Prompt, Sample
 from async_rlhf.weight_sync import MISFIT, StagedReceiver, UpdateMeta, WeightMismatchError, mismatch
 
@@ -303,6 +303,7 @@ class VLLMEngine:
         self._engine = self.llm.llm_engine
         self._engine.set_weight_version(str(self._version))
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
+        return_freed_memory()  # the load's and the warm-up's temporaries (0.4 GiB on a 0.5B model)
 
     def close(self) -> None:
         """Shut the engine down and undo what the in-process engine set on this process (the

@@ -10,7 +10,8 @@ Each part's peak, in bytes (P parameters, R learner ranks, ZeRO stage s):
   its backward (every layer's, or one layer's plus each layer's input with gradient
   checkpointing); the LM head's chunk of logits (learners/models.py); DeepSpeed's communication
   buckets.
-- a generator: its process (vLLM, its reward workers); the engine's weights in its dtype; the KV
+- a generator: its process (vLLM, its reward workers); the engine's weights in its dtype (on CPU
+  with oneDNN's packed copies, and the new ones a weight load builds); the KV
   cache (VLLM_CPU_KVCACHE_SPACE on CPU); an update being staged (a whole copy, plus one per
   version generator.weight_lag holds back); the sampler's logits for the running sequences.
 - an evaluator (eval.every > 0): an engine like a generator's.
@@ -177,7 +178,11 @@ def _engine(cfg: Config, m: ModelShape, native_bf16: bool, gpu: bool) -> float:
     staged = m.params * w * (1 + g.weight_lag)  # updates arrive in the engine's dtype
     logits = g.max_inflight * m.vocab * 4 * 2
     workers = g.reward_concurrency * BASE_GB["reward_worker"] * GB
-    return BASE_GB["generator"] * GB + m.params * w + kv + staged + logits + workers
+    # on CPU vLLM's linear layers keep oneDNN's packed copy of their weights beside them, and a
+    # weight load builds the new packed copy before the old one goes (vllm/model_executor/
+    # layers/utils.py dispatch_cpu_unquantized_gemm): three copies at a load's peak
+    weights = m.params * w * (1 if gpu else 3)
+    return BASE_GB["generator"] * GB + weights + kv + staged + logits + workers
 
 
 def estimate(cfg: Config, sizes: Sizes, gpu: bool = False) -> MemoryEstimate:
