@@ -69,7 +69,8 @@ def build_shape(shape: str, root: Path) -> Path:
 
     tok = build_tokenizer()
     fill = QWEN25_05B["vocab_size"] - len(tok)
-    tok.add_tokens([f"<extra_{i}>" for i in range(fill)])  # sampled like any token, never encoded
+    # sampled like any token, never encoded; named without the letter the `count` task rewards
+    tok.add_tokens([f"<unused_{i}>" for i in range(fill)])
     config = Qwen2Config(**QWEN25_05B, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                          eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
