@@ -454,7 +454,9 @@ class Learner:
                 if be.has_critic:
                     self._critic_micro_step(mb, mine["old_values"], returns[idx], counts, sums, timing)
                 ntok = float(mb.mask.sum())
-                sums.update(parts, tokens=ntok)
+                # the positions the forward computed, and those that were a token (pad_share)
+                sums.update(parts, tokens=ntok, positions=float(mb.attention_mask.numel()),
+                            token_positions=float(mb.attention_mask.sum()))
                 if self.objective is not None:
                     sums.update(st)  # stat sums already
                 else:
@@ -541,7 +543,7 @@ class Learner:
             dist.all_reduce(bw_max, op=dist.ReduceOp.MAX)
         total = dict(zip(keys, vec.tolist()))
         ntok = max(total.pop("tokens"), 1.0)
-        out = {}
+        out = {"pad_share": 1.0 - total.pop("token_positions") / max(total.pop("positions"), 1.0)}
         if self.objective is not None:  # its own stats; PPO's have no meaning there
             out = {**self.objective.step_stats(total), **dict.fromkeys(_PPO_STATS, math.nan)}
         for k, v in total.items():

@@ -129,10 +129,15 @@ def test_micro_batches_of_like_length_trimmed_of_padding_give_the_whole_batch_gr
     want = torch.autograd.grad(loss, list(be.model.parameters()))
     summed = []  # the gradient accumulated over the micro-batches, in place of AdamW's step
     be.step = lambda critic=False: summed.append([p.grad.clone() for p in be.model.parameters()]) or 1.0
-    learner.step()
+    metrics = learner.step()
     assert len(summed) == 4  # 8 rows in micro-batches of 2
     for got, ref in zip(summed[-1], want):
         assert torch.allclose(got, ref, rtol=1e-4, atol=1e-7), float((got - ref).abs().max())
+    # pad_share: each micro-batch computes its 2 rows x its longest row's tokens
+    lengths = sorted(batch.attention_mask.sum(1).tolist(), reverse=True)
+    computed = sum(2 * lengths[i] for i in range(0, 8, 2))
+    assert metrics.extra["pad_share"] == pytest.approx(1 - sum(lengths) / computed)
+    assert 0 < metrics.extra["pad_share"] < 0.5
 
 
 def test_observation_tokens_carry_mask_0_and_never_reach_the_loss(make_learner):
