@@ -543,9 +543,10 @@ class Learner:
             dist.all_reduce(bw_max, op=dist.ReduceOp.MAX)
         total = dict(zip(keys, vec.tolist()))
         ntok = max(total.pop("tokens"), 1.0)
-        out = {"pad_share": 1.0 - total.pop("token_positions") / max(total.pop("positions"), 1.0)}
+        out = {}
         if self.objective is not None:  # its own stats; PPO's have no meaning there
             out = {**self.objective.step_stats(total), **dict.fromkeys(_PPO_STATS, math.nan)}
+        out["pad_share"] = 1.0 - total.pop("token_positions") / max(total.pop("positions"), 1.0)
         for k, v in total.items():
             if k in (*_PPO_STATS, "value_clip_frac"):
                 out[k] = v / ntok

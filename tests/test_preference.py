@@ -65,6 +65,7 @@ def test_online_dpo_prefers_each_groups_best_over_its_worst_against_a_frozen_ref
     assert last.extra["reward_margin"] > 0.5 * 1.0
     assert last.extra["chosen_logratio"] > 0 > last.extra["rejected_logratio"]
     assert last.counts["groups_no_pair"] == 4 and math.isnan(last.clip_frac)
+    assert 0.0 <= last.extra["pad_share"] < 1.0  # the learner's own stats beside the objective's
     assert [m.loss for m in history] == sorted((m.loss for m in history), reverse=True)
     assert queue.stats().counters["trained"] == 8  # groups, the tied ones too
 
