@@ -470,9 +470,14 @@ def make_generator(
     prompts = make_prompt_stream(cfg.data, tokenizer, seed=cfg.seed, stream=index,
                                  max_tokens=context and context - cfg.response_limit,
                                  max_prompt_tokens=g.max_prompt_tokens)
-    engine = episodes_of(cfg, engine or make_engine(g, path, seed=cfg.seed + index, device=device,
-                                                    model_dtype=cfg.model.dtype), tokenizer)
     scorer = Scorer.from_specs(cfg.rewards, g.reward_concurrency)
+    scorer.pool.spawn()  # the rewards load while the engine starts
+    try:
+        engine = episodes_of(cfg, engine or make_engine(g, path, seed=cfg.seed + index, device=device,
+                                                        model_dtype=cfg.model.dtype), tokenizer)
+    except BaseException:
+        scorer.pool.close()
+        raise
     scorer.pool.start()
     return Generator(
         engine,

@@ -60,12 +60,16 @@ class _Worker:
                                        name="reward-worker", daemon=True)
         self.process.start()
         child.close()
+        self.is_ready = False  # its "ready" received
 
     def ready(self) -> _Worker:
         """Wait until the worker has loaded the rewards (START_S at most)."""
+        if self.is_ready:
+            return self
         try:
             if self.conn.poll(START_S):
                 self.conn.recv()
+                self.is_ready = True
                 return self
             why = f"did not start within {START_S:g} s"
         except EOFError:
@@ -100,7 +104,7 @@ class RewardPool:
         name = self.rewards[index].name
         worker = self._free.get()
         try:
-            worker = worker or _Worker(self._context, self.rewards).ready()
+            worker = (worker or _Worker(self._context, self.rewards)).ready()
             worker.conn.send((index, list(prompts), list(responses)))
             if worker.conn.poll(deadline_s):
                 out = worker.conn.recv()
@@ -122,15 +126,21 @@ class RewardPool:
             worker.kill()
         self._free.put(None)
 
+    def spawn(self) -> None:
+        """Start the workers that are not running, all at once, without waiting for them: they
+        load the rewards while the caller goes on (start() or a call waits for them)."""
+        slots = [self._free.get() for _ in range(self.size)]
+        for worker in slots:
+            self._free.put(worker or _Worker(self._context, self.rewards))
+
     def start(self) -> None:
         """Start the workers that are not running, all at once, and wait until they are ready
         (else each starts at its first call, which then waits for it)."""
-        slots = [self._free.get() for _ in range(self.size)]
-        workers = [w or _Worker(self._context, self.rewards) for w in slots]
+        self.spawn()
+        workers = [self._free.get() for _ in range(self.size)]
         try:
-            for worker, slot in zip(workers, slots):
-                if slot is None:
-                    worker.ready()
+            for worker in workers:
+                worker.ready()
         except BaseException:
             for worker in workers:
                 self._end(worker)

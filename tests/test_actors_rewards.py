@@ -125,6 +125,47 @@ def test_a_hung_call_holds_back_only_its_own_group(tmp_path):
     assert scorer.pool.killed == 1 and not _alive(pid)
 
 
+class GatedReward:
+    """1.0 for every response; a pickled copy (a pool worker's) loads only once `gate` exists,
+    as a reward model loads while its worker starts."""
+
+    name = "gated"
+
+    def __init__(self, gate: Path):
+        self.gate = gate
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        while not self.gate.exists():
+            time.sleep(0.02)
+
+    def __call__(self, prompts, responses):
+        return [1.0] * len(responses)
+
+
+def test_spawned_workers_load_the_rewards_while_the_caller_goes_on(tmp_path):
+    """A generator spawns its reward workers before its engine starts and waits for them after:
+    spawn() returns while they load; start() waits for them."""
+    import multiprocessing
+
+    gate = tmp_path / "loaded"
+    scorer = Scorer([(GatedReward(gate), 1.0, 5.0)], concurrency=2)
+    def workers():
+        return {p.pid for p in multiprocessing.active_children() if p.name == "reward-worker"}
+
+    before = workers()
+    opener = threading.Timer(2.0, gate.touch)
+    opener.start()
+    scorer.pool.spawn()
+    assert not gate.exists()  # it returned before the workers could load
+    assert len(workers() - before) == 2
+    scorer.pool.start()
+    assert gate.exists()
+    assert [s.reward for s in scorer.score(PROMPTS[:2], ["a", "b"])] == [1.0, 1.0]
+    scorer.pool.close()
+    opener.join()
+
+
 def test_http_deadline_covers_retries():
     spec = RewardSpec(kind="http", target="http://127.0.0.1:1/score", timeout_s=2.0, retries=2)
     assert deadline_s(spec) == pytest.approx(3 * 2.0 + 0.1 + 0.2)

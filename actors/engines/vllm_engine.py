@@ -213,6 +213,19 @@ class WeightReloadExtension:
         return None if None in results else set().union(*results)
 
 
+@functools.cache
+def _freeze_imports() -> None:
+    """Move the objects this process holds once vLLM is imported (its modules and theirs) out of the
+    garbage collector's sight, as vLLM does itself once its engine is up (freeze_gc_heap): the
+    full collections vLLM runs while it loads the model then skip them (9.0 -> 7.4 s for an
+    engine's start with its imports, small preset, one core). Once a process, and with no
+    collection first (that alone costs 0.8 s): what it freezes, the little garbage of the
+    imports included, is never collected."""
+    import gc
+
+    gc.freeze()
+
+
 class VLLMEngine:
     """Samples with vLLM's LLMEngine by continuous batching; `update_weights` swaps weights
     between two steps, with groups in flight."""
@@ -267,6 +280,7 @@ class VLLMEngine:
             from vllm.sampling_params import RequestOutputKind
         except ImportError as e:
             raise ImportError(_INSTALL_HINT) from e
+        _freeze_imports()
         if self.device == "cpu":
             _inspect_models_in_this_process()
             if enforce_eager:
