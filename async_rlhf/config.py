@@ -289,6 +289,11 @@ class LearnerConfig(_Section):
     steps: int = 50  # learner steps (policy versions) the job trains
     batch_size: int = 32  # trajectories per optimizer step
     micro_batch: int = 8  # trajectories per forward/backward pass on one rank
+    # a micro-batch's rows packed end to end (no forward on padding) into rows of at most 128
+    # tokens (unbounded with flash-attention), where that computes 10% fewer positions than
+    # padding them to the longest; false: always padded. A model whose attention mixes packed
+    # rows (checked at the first forward) trains padded, with a warning
+    packing: bool = True
     # deepspeed: ZeRO 0-3, any number of ranks, bf16; torch: one process, fp32, torch.optim.AdamW
     # (no DeepSpeed engine: fewer moving parts where one CPU or GPU trains)
     backend: Literal["deepspeed", "torch"] = "deepspeed"

@@ -101,17 +101,21 @@ def random_groups(
     group_size: int = 4,
     version: int = 0,
     seed: int = 0,
+    min_response_len: int | None = None,
 ) -> list[Group]:
     """n groups of group_size finished trajectories: token ids in [3, vocab) (no special ids
-    below 3), behaviour log-probs in [-6, -0.5], reward = the fraction of even response tokens."""
+    below 3), behaviour log-probs in [-6, -0.5], reward = the fraction of even response tokens.
+    Responses are response_len tokens, or with min_response_len, of lengths drawn uniformly
+    from min_response_len to response_len."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n * group_size):
-        resp = rng.integers(3, vocab, response_len).astype(np.int32)
+        length = response_len if min_response_len is None else int(rng.integers(min_response_len, response_len + 1))
+        resp = rng.integers(3, vocab, length).astype(np.int32)
         out.append(Trajectory(
             prompt_ids=rng.integers(3, vocab, prompt_len).astype(np.int32),
             response_ids=resp,
-            behavior_logprobs=(-rng.uniform(0.5, 6.0, response_len)).astype(np.float32),
+            behavior_logprobs=(-rng.uniform(0.5, 6.0, length)).astype(np.float32),
             reward=float(np.mean(resp % 2 == 0)),
             reward_parts={"even": float(np.mean(resp % 2 == 0))},
             policy_version=version,

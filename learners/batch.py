@@ -105,6 +105,48 @@ class Batch:
         return out
 
 
+def pack_rows(lengths: Sequence[int], cap: int | None) -> list[list[int]]:
+    """Rows (longest first, as the learner orders a micro-batch's) in bins of at most `cap`
+    tokens (None: one bin; a row longer than cap gets a bin of its own), first fit."""
+    cap = max(max(lengths), cap or sum(lengths))
+    bins: list[list[int]] = []
+    fill: list[int] = []
+    for row, n in enumerate(lengths):
+        b = next((b for b, f in enumerate(fill) if f + n <= cap), len(bins))
+        if b == len(bins):
+            bins.append([])
+            fill.append(0)
+        bins[b].append(row)
+        fill[b] += n
+    return bins
+
+
+def packed(input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+           bins: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows [B, L] (right-padded) packed end to end into `bins` (pack_rows) [R, C]: their tokens,
+    position ids that restart at each row, which the model's attention reads as separate
+    sequences (transformers' packed-sequence masks; flash-attention's varlen kernels), and
+    `positions` [B, T] as indices into the bins laid end to end ([R * C]). A bin's tail of
+    padding is a sequence of its own that no token attends to; a position past its row's last
+    token (a padding slot's) is clamped into the row."""
+    lengths = attention_mask.sum(1)
+    width = max(int(lengths[list(rows)].sum()) for rows in bins)
+    ids = input_ids.new_zeros(len(bins), width)
+    position_ids = torch.arange(width, device=ids.device).repeat(len(bins), 1)
+    start = torch.zeros_like(lengths)
+    for b, rows in enumerate(bins):
+        at = 0
+        for row in rows:
+            n = int(lengths[row])
+            ids[b, at:at + n] = input_ids[row, :n]
+            position_ids[b, at:at + n] = torch.arange(n)
+            start[row] = b * width + at
+            at += n
+        position_ids[b, at:] = torch.arange(width - at)
+    last = (lengths - 2).clamp(min=0)[:, None]
+    return ids, position_ids, torch.minimum(positions, last) + start[:, None]
+
+
 def token_staleness(items: Sequence[Received], version: int) -> float:
     """Mean of version - (the version that sampled it) over the items' response tokens (NaN on
     ranks that hold no items): with in-flight updates, lower than the per-sample staleness."""

@@ -455,7 +455,7 @@ class Learner:
                     self._critic_micro_step(mb, mine["old_values"], returns[idx], counts, sums, timing)
                 ntok = float(mb.mask.sum())
                 # the positions the forward computed, and those that were a token (pad_share)
-                sums.update(parts, tokens=ntok, positions=float(mb.attention_mask.numel()),
+                sums.update(parts, tokens=ntok, positions=float(be.forward_positions(mb.attention_mask)),
                             token_positions=float(mb.attention_mask.sum()))
                 if self.objective is not None:
                     sums.update(st)  # stat sums already

@@ -23,7 +23,7 @@ from learners.advantages import grpo_advantages
 from learners.batch import Batch, token_staleness
 from learners.checkpoints import checkpoint_version
 from learners.losses import policy_loss
-from learners.models import load_models
+from learners.models import load_models, response_logprobs
 
 
 def test_fixed_batch_objective_decreases_and_metrics_are_complete(make_learner):
@@ -111,20 +111,28 @@ def test_short_rows_attend_with_the_math_kernel_to_the_flash_kernels_log_probs_a
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), float((a - b).abs().max())
 
 
-def test_micro_batches_of_like_length_trimmed_of_padding_give_the_whole_batch_gradient(make_learner):
+@pytest.mark.parametrize("packing, loss_agg", [(False, "token_mean"), (True, "token_mean"),
+                                               (True, "seq_mean_token_mean"), (True, "seq_mean_token_sum")])
+def test_micro_batches_of_like_length_unpadded_give_the_whole_padded_batch_gradient(make_learner, packing,
+                                                                                    loss_agg):
     """The learner sorts a rank's rows by length and cuts each micro-batch to its longest row
-    (Batch.trimmed): in float32 the summed gradient is that of the whole padded batch's loss."""
+    (Batch.trimmed), and packs its rows end to end (learner.packing): in float32 the summed
+    gradient is that of the whole padded batch's loss, for every loss aggregation, with
+    observation tokens (episodes) in some rows; packed, no position computed is padding."""
     members = [t for g in random_groups(2, vocab=VOCAB, seed=6) for t in g.members]
     members = [dataclasses.replace(t, prompt_ids=t.prompt_ids[:2 + i % 5], response_ids=t.response_ids[:1 + 3 * i % 8],
-                                   behavior_logprobs=t.behavior_logprobs[:1 + 3 * i % 8])
+                                   behavior_logprobs=t.behavior_logprobs[:1 + 3 * i % 8],
+                                   observation_spans=((1, 3),) if 1 + 3 * i % 8 > 3 and i % 2 else ())
                for i, t in enumerate(members)]  # prompts of 2-6 tokens, responses of 1-8
     groups = [Group(tuple(members[:4])), Group(tuple(members[4:]))]
-    learner, queue, _ = make_learner(groups, mixed_precision="fp32", micro_batch=2)
+    learner, queue, _ = make_learner(groups, mixed_precision="fp32", micro_batch=2, packing=packing,
+                                     loss_agg=loss_agg)
     be = learner.backend
     batch = Batch.from_received([Received(str(i), g) for i, g in enumerate(groups)])
-    logp = be.logprobs(batch.input_ids, batch.attention_mask, batch.positions)[0]
+    assert batch.mask.eq(0).any()  # observation tokens
+    logp = response_logprobs(be.model, batch.input_ids, batch.attention_mask, batch.positions, 1.0)[0]  # padded
     adv = grpo_advantages(batch.rewards, batch.groups)[:, None] * batch.mask
-    loss = policy_loss(logp, logp.detach(), batch.behavior_logp, adv, batch.mask,
+    loss = policy_loss(logp, logp.detach(), batch.behavior_logp, adv, batch.mask, agg=loss_agg,
                        num_tokens=float(batch.mask.sum()), num_seqs=8.0)[0]
     want = torch.autograd.grad(loss, list(be.model.parameters()))
     summed = []  # the gradient accumulated over the micro-batches, in place of AdamW's step
@@ -133,11 +141,25 @@ def test_micro_batches_of_like_length_trimmed_of_padding_give_the_whole_batch_gr
     assert len(summed) == 4  # 8 rows in micro-batches of 2
     for got, ref in zip(summed[-1], want):
         assert torch.allclose(got, ref, rtol=1e-4, atol=1e-7), float((got - ref).abs().max())
-    # pad_share: each micro-batch computes its 2 rows x its longest row's tokens
+    # pad_share: each micro-batch computes its 2 rows x its longest row's tokens, or packed, its tokens
     lengths = sorted(batch.attention_mask.sum(1).tolist(), reverse=True)
     computed = sum(2 * lengths[i] for i in range(0, 8, 2))
-    assert metrics.extra["pad_share"] == pytest.approx(1 - sum(lengths) / computed)
-    assert 0 < metrics.extra["pad_share"] < 0.5
+    assert metrics.extra["pad_share"] == (0.0 if packing else pytest.approx(1 - sum(lengths) / computed))
+    assert packing or 0 < metrics.extra["pad_share"] < 0.5
+
+
+def test_a_model_whose_attention_mixes_packed_rows_trains_padded(make_learner, monkeypatch, caplog):
+    """learner.packing is checked on the model at its first forward: where its masks ignore packed
+    position ids (here transformers' detection is switched off), rows would attend across each
+    other; the learner trains padded instead and says so."""
+    import transformers.masking_utils
+
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    learner, _, _ = make_learner(random_groups(2, vocab=VOCAB, seed=3), mixed_precision="fp32", micro_batch=2)
+    with caplog.at_level("WARNING", logger="learners.models"):
+        learner.step()
+    assert "mixes packed rows; training on padded rows" in caplog.text
+    assert learner.backend._packing is False
 
 
 def test_observation_tokens_carry_mask_0_and_never_reach_the_loss(make_learner):

@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--response-len", type=int, default=32)
+    parser.add_argument("--response-len-min", type=int,
+                        help="responses of lengths drawn from this to --response-len (default: all that long)")
+    parser.add_argument("--packing", nargs="+", default=["on"], choices=["on", "off"],
+                        help="learner.packing settings to compare (rows packed, or padded)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -124,6 +128,7 @@ class StageResult:
     all_tokens_per_s: float
     share: dict[str, float]  # of the timed wall time, per phase
     seconds: dict[str, float]
+    pad_share: float | None = None  # of the positions the training forwards computed (the learner's)
 
 
 @dataclass(frozen=True)
@@ -135,14 +140,14 @@ class LearnerReport:
 def _groups(args: argparse.Namespace, n: int) -> list[Group]:
     from async_rlhf.synthetic import CHAR_VOCAB_SIZE, random_groups
 
-    return random_groups(n, vocab=CHAR_VOCAB_SIZE, prompt_len=args.prompt_len,
-                         response_len=args.response_len, group_size=args.group_size)
+    return random_groups(n, vocab=CHAR_VOCAB_SIZE, prompt_len=args.prompt_len, response_len=args.response_len,
+                         group_size=args.group_size, min_response_len=args.response_len_min)
 
 
 def _result(args, setting: str, params: int, timed: list, samples: int, tokens: int, totals: dict) -> StageResult:
     wall = sum(t for t, _ in timed)
     return StageResult(setting, round(params / 1e6, 2), args.steps, round(wall, 3), round(samples / wall, 3),
-                       round(tokens / wall, 1), round(samples * (args.prompt_len + args.response_len) / wall, 1),
+                       round(tokens / wall, 1), round((samples * args.prompt_len + tokens) / wall, 1),
                        {p: round(totals.get(p, 0.0) / wall, 3) for p in PHASES},
                        {p: round(totals.get(p, 0.0), 3) for p in PHASES})
 
@@ -161,7 +166,7 @@ def _model(args: argparse.Namespace):
 def bench_one(args: argparse.Namespace, zero_stage: int, mixed_precision: str,
               overrides: dict | None = None) -> StageResult:
     """The learner's steps at `zero_stage` and `mixed_precision`, with other LearnerConfig
-    `overrides` (bench-memory's settings)."""
+    `overrides` (bench-memory's settings; learner.packing)."""
     from async_rlhf.config import LearnerConfig
     from learners.deepspeed_backend import DeepSpeedBackend
     from learners.learner import Learner
@@ -185,8 +190,10 @@ def bench_one(args: argparse.Namespace, zero_stage: int, mixed_precision: str,
     if dict(queue.acked) != {"trained": n}:  # anything dropped would make the numbers lie
         raise RuntimeError(f"bench-learner expected {n} groups trained, got {dict(queue.acked)}")
     totals = dataclasses.asdict(StepTimes.total(m.times for m in history))
-    return _result(args, f"ZeRO-{zero_stage} {backend.autocast or args.dtype}".replace("torch.", ""), params,
-                   timed, sum(m.samples for m in history), sum(m.tokens for m in history), totals)
+    rows = "packed" if backend._packs() else "padded"
+    result = _result(args, f"ZeRO-{zero_stage} {backend.autocast or args.dtype} {rows}".replace("torch.", ""),
+                     params, timed, sum(m.samples for m in history), sum(m.tokens for m in history), totals)
+    return dataclasses.replace(result, pad_share=round(sum(m.extra["pad_share"] for m in history) / len(history), 3))
 
 
 def bench_plain(args: argparse.Namespace, autocast: bool) -> StageResult:
@@ -209,6 +216,7 @@ def bench_plain(args: argparse.Namespace, autocast: bool) -> StageResult:
 
     def step():
         batch = batches.pop()
+        totals["tokens"] += int(batch.mask.sum())
         for s in range(0, args.batch_size, args.micro_batch):
             mb = batch.rows(torch.arange(s, s + args.micro_batch))
             t = time.perf_counter()
@@ -231,9 +239,8 @@ def bench_plain(args: argparse.Namespace, autocast: bool) -> StageResult:
     warm_then_time(step, warmup=args.warmup, repeats=0)
     totals.clear()
     timed = warm_then_time(step, warmup=0, repeats=args.steps)
-    samples = args.steps * args.batch_size
-    return _result(args, f"plain HF {'bf16 autocast' if autocast else 'float32'}", params, timed, samples,
-                   samples * args.response_len, totals)
+    return _result(args, f"plain HF {'bf16 autocast' if autocast else 'float32'}", params, timed,
+                   args.steps * args.batch_size, totals.pop("tokens"), totals)
 
 
 def _plot(report: LearnerReport, path: Path) -> None:
@@ -253,13 +260,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    results = [bench_one(args, stage, mp) for stage in args.zero_stage for mp in args.mixed_precision]
+    results = [bench_one(args, stage, mp, {"packing": packing == "on"})
+               for stage in args.zero_stage for mp in args.mixed_precision for packing in args.packing]
     if not args.no_plain:
         results += [bench_plain(args, autocast) for autocast in (False, True)]
     report = LearnerReport({k: v for k, v in vars(args).items() if k not in ("func", "command")}, results)
     for r in report.results:
         shares = "  ".join(f"{p} {100 * r.share[p]:.0f}%" for p in PHASES)
+        pad = "" if r.pad_share is None else f", padding {100 * r.pad_share:.0f}% of positions"
         print(f"{r.setting} {r.params_m}M params: {r.samples_per_s} samples/s, "
-              f"{r.response_tokens_per_s} response tok/s, {r.all_tokens_per_s} tok/s | {shares}")
+              f"{r.response_tokens_per_s} response tok/s, {r.all_tokens_per_s} tok/s{pad} | {shares}")
     save(report, Path(args.out), plot=_plot)
     return 0
