@@ -150,6 +150,7 @@ def test_spawned_workers_load_the_rewards_while_the_caller_goes_on(tmp_path):
 
     gate = tmp_path / "loaded"
     scorer = Scorer([(GatedReward(gate), 1.0, 5.0)], concurrency=2)
+
     def workers():
         return {p.pid for p in multiprocessing.active_children() if p.name == "reward-worker"}
 
