@@ -562,8 +562,11 @@ class Config(_Section):
     # auto: generator.count/threads and learner.ranks/threads sized from stage_costs to this
     # machine (async_rlhf/launch/placement.py), then ZeRO stage, gradient checkpointing and ranks
     # chosen so the job's estimated peak memory fits this node (launch/memory.py), all printed at
-    # start; manual: as the config gives them, refused before start if the estimate does not fit
-    placement: Literal["manual", "auto"] = "auto"
+    # start; manual: as the config gives them, refused before start if the estimate does not fit;
+    # colocated: as manual, with every part on the launcher's node sharing its devices (on a GPU:
+    # one generator engine and one learner rank share it) and weights passed through shared memory
+    # (CUDA IPC on GPU) instead of a broadcast. auto picks colocated on a machine of one GPU.
+    placement: Literal["manual", "auto", "colocated"] = "auto"
     stage_costs: StageCosts = field(default_factory=StageCosts)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

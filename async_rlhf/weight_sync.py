@@ -5,6 +5,14 @@ vLLM workers, every tensor-parallel rank, or a process that stages updates) gets
 standalone process group over a fresh TCPStore: gloo on CPU, NCCL on GPU. Groups cannot grow, so
 a member joining or leaving means a new epoch.
 
+Colocated (`placement: colocated`: every member on the learner's node and device) the bytes pass
+by sharing instead (backend "ipc"): the learner packs each update straight into memory the
+members open by a handle that the update's RPC carries, and no group forms. On CPU a bucket is a
+memory file (memfd) each member maps through /proc/<learner pid>/fd, so it loads from the
+learner's own copy; on GPU it is device memory shared by CUDA IPC (as vLLM's IPC weight-transfer
+engine shares it), so no byte leaves the device. The learner keeps the newest update packed
+either way, and a bucket is freed once neither that nor a send in flight holds it.
+
 Addresses: the store listens on every interface of the learner's node (TCPStore does), at the
 `host` it advertises, and each gloo member binds its own node's address (`host`), so an epoch
 spans nodes. Only the epoch's members join: the group's keys live under a random per-epoch
@@ -34,12 +42,15 @@ NCCL's rules, kept on gloo too so that one code shape runs on both:
 
 from __future__ import annotations
 
+import base64
 import logging
 import math
 import os
+import pickle
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -90,6 +101,8 @@ class UpdateMeta:
     epoch: int
     version: int
     buckets: list[list[Param]]  # one broadcast each, tensors in byte order
+    # backend ipc: per bucket, the handle a member opens it by (open_shared); else None
+    shared: list[str] | None = None
 
     def bucket_nbytes(self, i: int) -> int:
         return sum(_padded(_nbytes(dtype, shape)) for _, dtype, shape in self.buckets[i])
@@ -120,7 +133,8 @@ def default_backend() -> str:
 
 
 def _device(backend: str) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    gpu = backend == "nccl" or (backend == "ipc" and torch.cuda.is_available())
+    return torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
 
 
 def _nbytes(dtype: str, shape: list[int]) -> int:
@@ -180,17 +194,73 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], dist.BroadcastOptions()).wait()
 
 
+class Buckets(list):
+    """Packed buckets in this process's memory (what `pack` fills)."""
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class SharedBuckets(Buckets):
+    """Packed buckets that processes on this node open by `handles` (backend ipc), valid while
+    this list lives: on CPU memory files (memfd) that members map through /proc/PID/fd, closed
+    with the list; on `device` a GPU, device memory exported by CUDA IPC."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.handles: list[str] = []
+        self._fds: list[int] = []
+        weakref.finalize(self, _close_fds, self._fds)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        if self.device.type == "cuda":
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            bucket = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.handles.append(base64.b64encode(pickle.dumps(reduce_tensor(bucket)[1])).decode())
+            return bucket
+        fd = os.memfd_create("async-rlhf-weights", os.MFD_CLOEXEC)
+        self._fds.append(fd)
+        os.ftruncate(fd, nbytes)
+        self.handles.append(f"/proc/{os.getpid()}/fd/{fd}")
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:  # the mappings (the learner's, and any member's) keep the memory until unmapped
+        os.close(fd)
+
+
+def open_shared(handle: str, nbytes: int, device: torch.device) -> torch.Tensor:
+    """The first `nbytes` of a SharedBuckets bucket, opened by its handle: mapped read-only
+    (copy-on-write) on CPU, no byte copied; on a GPU rebuilt from its CUDA IPC handle on this
+    process's `device` (the same physical GPU)."""
+    if handle.startswith("/proc/"):
+        try:
+            return torch.from_file(handle, shared=False, size=nbytes, dtype=torch.uint8)
+        except RuntimeError as e:
+            raise RuntimeError(f"weight bucket {handle} could not be opened ({e}): backend ipc needs "
+                               "every member on the learner's node, as the same user") from e
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    args = list(pickle.loads(base64.b64decode(handle)))
+    args[6] = device.index  # the storage's device, as this process numbers it
+    return rebuild_cuda_tensor(*args)[:nbytes]
+
+
 def pack(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-         dtype: torch.dtype | None = None) -> tuple[list[list[Param]], list[torch.Tensor]]:
+         dtype: torch.dtype | None = None, out: Buckets | None = None) -> tuple[list[list[Param]], Buckets]:
     """Tensors as flat uint8 host buckets of about bucket_bytes: (per bucket its params, the
     buckets). `dtype`: floating-point tensors are cast to it (the receiving engine's dtype) where
     they are, on the learner's device, before they leave it, so the host copy and the wire carry
     the engine's bytes. Each tensor is copied once, straight into its bucket: beyond the buckets
     themselves packing holds at most one cast tensor. A tensor over bucket_bytes gets a bucket
     of its own. Tensors are taken one at a time as the iterator yields them (a ZeRO-3 gather may
-    free one as soon as the next is asked for)."""
+    free one as soon as the next is asked for). `out`: where the buckets go (SharedBuckets for
+    backend ipc); default this process's memory."""
     metas: list[list[Param]] = [[]]
-    buckets: list[torch.Tensor] = []
+    buckets = Buckets() if out is None else out
     bucket = torch.empty(0, dtype=torch.uint8)
     used = 0
     for name, tensor in named_tensors:
@@ -204,7 +274,7 @@ def pack(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
             metas.append([])
             used = 0
         if not used:
-            bucket = torch.empty(_padded(max(bucket_bytes, n)), dtype=torch.uint8)
+            bucket = buckets.empty(_padded(max(bucket_bytes, n)))
         if n:
             bucket[used:used + n].copy_(t.view(-1).view(torch.uint8))
         metas[-1].append((name, str(t.dtype), list(t.shape)))
@@ -242,7 +312,8 @@ class WeightBroadcaster:
     def __init__(self, host: str = LOOPBACK, backend: str | None = None,
                  bucket_mb: float = 64.0, timeout_s: float = 60.0, dtype: str | None = None):
         """`dtype`: the receiving engines' weight dtype (e.g. "bfloat16"), to which floating-point
-        weights are cast before they are packed; None sends them as they come."""
+        weights are cast before they are packed; None sends them as they come. `backend`: gloo,
+        nccl or ipc (module doc); default nccl on a GPU, else gloo."""
         self.host = host
         self.backend = backend or default_backend()
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -252,7 +323,7 @@ class WeightBroadcaster:
         self.timeout_s = timeout_s
         self._epoch = 0
         self._current: _Epoch | None = None
-        self._last: tuple[int, list[list[Param]], list[torch.Tensor]] | None = None
+        self._last: tuple[int, list[list[Param]], Buckets] | None = None
         self._state = threading.Condition()  # guards the fields above; never held in a collective
         self._closed = False
         self.last_publish_s = 0.0  # the learner's share of the newest publish (packing)
@@ -269,9 +340,9 @@ class WeightBroadcaster:
         """Start epoch n+1 for `world_size` ranks (this is rank 0); the current one is let go."""
         with self._state:
             self._epoch += 1
-            store = dist.TCPStore(self.host, 0, world_size, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=self.timeout_s))
-            address = SyncAddress(self.host, store.port, self._epoch, world_size, self.backend,
+            store = None if self.backend == "ipc" else dist.TCPStore(
+                self.host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s))
+            address = SyncAddress(self.host, store.port if store else 0, self._epoch, world_size, self.backend,
                                   key=secrets.token_hex(16), timeout_s=self.timeout_s)
             old, self._current = self._current, _Epoch(address, store, notify)
             epoch = self._current
@@ -281,7 +352,8 @@ class WeightBroadcaster:
 
     def _form(self, epoch: _Epoch) -> None:
         try:
-            group = join_group(epoch.address, epoch.store, 0, self.host) if epoch.address.world_size > 1 else None
+            grouped = epoch.address.world_size > 1 and self.backend != "ipc"
+            group = join_group(epoch.address, epoch.store, 0, self.host) if grouped else None
         except Exception as e:  # noqa: BLE001 - counted; the launcher forms the next epoch
             self._fail(epoch, f"{e}; the next membership epoch retries")
             return
@@ -319,7 +391,8 @@ class WeightBroadcaster:
         start = time.perf_counter()
         with self._state:  # the previous version's buckets go now (or once the sender ends with them)
             self._last = None
-        metas, buckets = pack(named_tensors, self.bucket_bytes, self.dtype)
+        out = SharedBuckets(_device(self.backend)) if self.backend == "ipc" else None
+        metas, buckets = pack(named_tensors, self.bucket_bytes, self.dtype, out)
         with self._state:
             self._last = (version, metas, buckets)
             self._state.notify_all()
@@ -343,9 +416,10 @@ class WeightBroadcaster:
                 epoch, (version, metas, buckets) = self._due(), self._last
                 epoch.sending = True
                 self._state.notify_all()
-            self._send(epoch, UpdateMeta(epoch.address.epoch, version, metas), buckets)
+            shared = buckets.handles if isinstance(buckets, SharedBuckets) else None
+            self._send(epoch, UpdateMeta(epoch.address.epoch, version, metas, shared), buckets)
 
-    def _send(self, epoch: _Epoch, meta: UpdateMeta, buckets: list[torch.Tensor]) -> None:
+    def _send(self, epoch: _Epoch, meta: UpdateMeta, buckets: Buckets) -> None:
         device = _device(self.backend)
         try:
             members_done = epoch.notify(meta)  # members of no rank (that need only the version) too
@@ -382,10 +456,12 @@ class WeightReceiver:
         if not 0 < rank < address.world_size:
             raise ValueError(f"weight-sync member rank must be in 1..{address.world_size - 1}, got {rank}")
         self.address = address
-        self._store = dist.TCPStore(address.host, address.port, address.world_size, is_master=False,
-                                    timeout=timedelta(seconds=address.timeout_s))
-        self._group = join_group(address, self._store, rank, host)
         self._device = _device(address.backend)
+        self._group = None  # backend ipc: nothing to join, updates bring their buckets' handles
+        if address.backend != "ipc":
+            self._store = dist.TCPStore(address.host, address.port, address.world_size, is_master=False,
+                                        timeout=timedelta(seconds=address.timeout_s))
+            self._group = join_group(address, self._store, rank, host)
 
     def receive(self, meta: UpdateMeta, to_host: bool = False) -> WeightUpdate:
         """Take one update; `to_host`: move each bucket to host memory as it lands (an update
@@ -396,14 +472,18 @@ class WeightReceiver:
         named: list[tuple[str, torch.Tensor]] = []
         start, nbytes = time.perf_counter(), 0
         for i, params in enumerate(meta.buckets):
-            data = torch.empty(meta.bucket_nbytes(i), dtype=torch.uint8, device=self._device)
-            _broadcast(self._group, data)
+            if meta.shared:
+                data = open_shared(meta.shared[i], meta.bucket_nbytes(i), self._device)
+            else:
+                data = torch.empty(meta.bucket_nbytes(i), dtype=torch.uint8, device=self._device)
+                _broadcast(self._group, data)
             nbytes += data.numel()
             named += unpack(params, data.cpu() if to_host else data)
         return WeightUpdate(meta.version, named, time.perf_counter() - start, nbytes)
 
     def close(self) -> None:
-        destroy_group(self._group)
+        if self._group is not None:
+            destroy_group(self._group)
 
 
 class StagedReceiver:

@@ -9,7 +9,8 @@
 #                                    # torch, transformers, pytest and msgspec plus DeepSpeed's
 #                                    # pure-Python wheel: DeepSpeed on CUDA (ZeRO-0, ZeRO-3 bf16 and
 #                                    # its gather), the learner step, the bucket format, the
-#                                    # transformers engine; NCCL between members with 2+ GPUs; the
+#                                    # transformers engine, the colocated weight pass (CUDA IPC);
+#                                    # NCCL between members with 2+ GPUs; the
 #                                    # demo only where vLLM, Ray and Redis import.
 # flash-attention 2 is opt-in (pip install -e ".[flash]"): without it the learner uses SDPA.
 # Logs go to runs/gpu-smoke/.

@@ -67,6 +67,35 @@ def test_nccl_broadcast_reaches_a_member_on_another_gpu():
     member.join(30)
 
 
+def _member_on_gpu_0(commands, results):
+    receiver = WeightReceiver(*commands.get(timeout=60))  # ipc: nothing to join
+    update = receiver.receive(commands.get(timeout=60))
+    results.put((update.version, str(update.named_tensors[0][1].device), _summary(update.named_tensors)))
+    receiver.close()
+
+
+def test_colocated_weights_pass_by_cuda_ipc_and_never_leave_the_gpu():
+    """placement: colocated on one GPU: the learner packs each update into device memory that a
+    member process on the same GPU opens by its CUDA IPC handle; no host bucket, no NCCL."""
+    ctx = mp.get_context("spawn")
+    commands, results = ctx.Queue(), ctx.Queue()
+    member = ctx.Process(target=_member_on_gpu_0, args=(commands, results), daemon=True)
+    member.start()
+    sender = WeightBroadcaster(backend="ipc", timeout_s=60)
+    sender.publish([(n, t.cuda()) for n, t in _weights(5)], version=5)
+    assert all(b.device.type == "cuda" for b in sender._last[2])
+
+    def notify(meta):
+        commands.put(meta)
+        return lambda: None
+
+    commands.put((sender.open_epoch(2, notify), 1))
+    version, device, got = results.get(timeout=120)
+    assert (version, device) == (5, "cuda:0") and got == _summary(_weights(5))
+    sender.close()
+    member.join(30)
+
+
 def _member_that_dies_on_gpu_1(commands):
     torch.cuda.set_device(1)
     WeightReceiver(*commands.get(timeout=60))

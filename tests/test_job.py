@@ -204,20 +204,22 @@ def test_a_tied_family_samples_from_the_weights_it_trains(tmp_path):
     """Qwen2 (output layer tied to the embedding, GQA, qkv bias) at k = 0: every sample comes
     from the weights the learner has just published, so the behaviour weight pi_prox /
     pi_behaviour is ~1 at every step (0.3-0.7 when the tied layer stayed at its initial weights
-    in vLLM), and the reward rises."""
+    in vLLM), and the reward rises. Colocated: the engine loads each update from the learner's
+    shared memory (weight_sync backend ipc), no broadcast."""
     from actors.model_init import init_model
 
     model = init_model(tmp_path / "qwen2", "tiny", family="qwen2")
     proc = _train(tmp_path, model, "qwen2", "max_staleness=0", "learner.steps=30", "learner.lr=1e-3",
                   "learner.backend=torch", "generator.group_size=4", "generator.max_inflight=16",
-                  "learner.batch_size=16")
+                  "learner.batch_size=16", "placement=colocated")
     metrics, summary = _finish(tmp_path, "qwen2", proc)
     rewards = [m["reward_mean"] for m in metrics]
     print("qwen2: batch reward by step", rewards, "behaviour weight", [m["bw_mean"] for m in metrics])
     assert all(abs(m["bw_mean"] - 1) < 0.05 for m in metrics), [m["bw_mean"] for m in metrics]
     assert sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 >= 0.2, rewards
     _check_accounting(summary)
-    assert "Failed to load weights" not in proc.log_path.read_text()
+    log = proc.log_path.read_text()
+    assert "Failed to load weights" not in log and "weights pass through shared memory" in log
 
 
 @pytest.mark.parametrize("algorithm", ["dpo", "rs"])

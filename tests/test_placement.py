@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from async_rlhf.config import ConfigError, load_config
-from async_rlhf.launch.placement import _candidates, apply_placement, choose_placement
+from async_rlhf.launch.placement import _candidates, apply_placement, choose_placement, part_resources
 
 
 def test_shared_cores_learner_everywhere_generators_their_share():
@@ -102,8 +102,45 @@ def test_apply_placement_gives_the_evaluator_its_own_gpus_and_none_on_cpu():
     assert placed.learner.ranks * placed.learner.threads == 4 and "evaluator" not in line
 
 
+def test_one_gpu_is_colocated_and_its_parts_share_it_in_ray():
+    """auto on one GPU: a generator engine and a learner rank (and the evaluator) each ask Ray for a
+    share of it, and Ray places them all on a node of one GPU, where whole GPUs would not fit;
+    vLLM gets 30% of its memory. Counts that cannot share one GPU are refused, naming the key."""
+    import ray
+
+    from async_rlhf.launch import groups
+
+    placed, line = apply_placement(load_config(None, ["eval.every=5"]), devices=1, gpu=True)
+    assert placed.placement == "colocated" and (placed.generator.count, placed.learner.ranks) == (1, 1)
+    assert placed.generator.gpu_memory_utilization == 0.3
+    assert line == ("placement colocated: 1 generator(s) and the learner's 1 rank(s) share 0.33 of the GPU each, "
+                    "vLLM 30% of its memory; weights pass through shared memory (CUDA IPC)")
+    whole = part_resources(load_config(None, ["placement=manual", "eval.every=5"]), gpu=True)
+    shares = part_resources(placed, gpu=True)
+    assert shares == {"learner": {"CPU": 1.0, "GPU": 1 / 3}, "generator": {"CPU": 1.0, "GPU": 1 / 3},
+                      "evaluator": {"CPU": 1.0, "GPU": 1 / 3}}
+    assert part_resources(placed, gpu=False)["generator"] == {"CPU": 1.0}
+    ray.init(num_cpus=3, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        reserved = [groups.reserve(ray, [need], "STRICT_PACK", name) for name, need in shares.items()]
+        assert all(g.wait(60) for g in reserved)
+        for g in reserved:
+            groups.release(g)
+        first, second = (groups.reserve(ray, [whole[name]], "STRICT_PACK", name) for name in ("learner", "generator"))
+        assert first.wait(60) and not second.wait(2)
+    finally:
+        ray.shutdown()
+
+    with pytest.raises(ConfigError, match=r"generator.tensor_parallel=2: placement: colocated shares one GPU"):
+        apply_placement(load_config(None, ["generator.tensor_parallel=2"]), devices=1, gpu=True)
+    cpu = load_config(None, ["placement=colocated", "generator.count=2", "learner.threads=2"])
+    placed, line = apply_placement(cpu, devices=2, gpu=False)  # cores are time-shared: counts as given
+    assert placed == cpu and line.startswith("placement colocated: 2 generator(s) and the learner's 1 rank(s) "
+                                             "share the node's cores")
+
+
 def test_config_checks_placement_keys():
-    with pytest.raises(ConfigError, match="placement must be one of 'manual', 'auto', got 'fast'"):
+    with pytest.raises(ConfigError, match="placement must be one of 'manual', 'auto', 'colocated', got 'fast'"):
         load_config(None, ["placement=fast"])
     with pytest.raises(ConfigError, match=r"generator.nice must be from 0 \(normal priority\) to 19 \(lowest\), got 20"):
         load_config(None, ["generator.nice=20"])

@@ -30,10 +30,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from async_rlhf.config import Config, redact_url
+from async_rlhf.config import Config, ConfigError, redact_url
 from async_rlhf.launch import cluster, groups
 from async_rlhf.launch.cli import add_config_arguments, config_from_args
 from async_rlhf.launch.metrics import MetricsLog, StepRecord
+from async_rlhf.launch.placement import part_resources
 from async_rlhf.launch.memory import out_of_memory
 from async_rlhf.launch.preflight import preflight
 from async_rlhf.launch.stall import StallWatch
@@ -126,6 +127,10 @@ class Job:
         self.cfg, self.placement_line = apply_placement(self.cfg, devices, gpu=gpus > 0,
                                                         memory=host_memory() if local else None, sizes=self.sizes)
         cfg = self.cfg
+        if cfg.placement == "colocated" and not local:
+            raise ConfigError("placement: colocated runs every part on this node and passes the weights "
+                              "through its shared memory, so it cannot join a Ray cluster (--ray-address): "
+                              "set placement: auto or manual")
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(cfg.to_yaml())
         print(f"async-rlhf: job {cfg.job!r}, max_staleness={cfg.max_staleness}, out={self.out}")
@@ -244,8 +249,9 @@ class Job:
         if cfg.eval.every:
             from async_rlhf.launch.roles import EvalWorker
 
-            self.evaluator = self.ray.remote(EvalWorker).options(  # on GPU, GPUs of its own
-                num_cpus=1, num_gpus=cfg.generator.tensor_parallel if _gpu_count() else 0, max_concurrency=4,
+            need = part_resources(cfg, gpu=bool(_gpu_count()))["evaluator"]  # on GPU, GPUs of its own (or a share)
+            self.evaluator = self.ray.remote(EvalWorker).options(
+                num_cpus=need["CPU"], num_gpus=need.get("GPU", 0), max_concurrency=4,
                 name="evaluator").remote(cfg, fresh=not self.resume)
         version = self._learners_ready()
         if version != self.start_version:
@@ -259,14 +265,14 @@ class Job:
         from async_rlhf.launch.roles import LearnerWorker
 
         ray, cfg = self.ray, self.cfg
-        gpu = bool(_gpu_count())
+        bundle = part_resources(cfg, gpu=bool(_gpu_count()))["learner"]  # a rank's
         if "learner" not in self.groups:  # kept for restarts (groups.py)
-            bundle = {"CPU": float(cfg.learner.threads), **({"GPU": 1.0} if gpu else {})}
-            self.groups["learner"] = groups.reserve(ray, [bundle] * cfg.learner.ranks, "PACK" if gpu else "SPREAD",
+            self.groups["learner"] = groups.reserve(ray, [bundle] * cfg.learner.ranks,
+                                                    "PACK" if "GPU" in bundle else "SPREAD",
                                                     "learner", wait_s=groups.LEARNER_WAIT_S)
         worker = ray.remote(LearnerWorker)
         # max_concurrency 2: open_epoch runs while a step waits for the samples it will bring
-        self.learners = [worker.options(num_cpus=cfg.learner.threads, num_gpus=1 if gpu else 0, max_concurrency=2,
+        self.learners = [worker.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=2,
                                         **groups.in_bundle(self.groups["learner"], rank)).remote(
             cfg, rank, self.redis_url, resume) for rank in range(cfg.learner.ranks)]
         master = self.learners[0].master_address.remote()
@@ -338,8 +344,7 @@ class Job:
 
     def _generator_needs(self, resources: dict[str, float]) -> dict[str, float]:
         """The Ray resources one generator takes: its threads, its engine's GPUs, `resources`."""
-        g = self.cfg.generator
-        return {"CPU": float(g.threads), **({"GPU": float(g.tensor_parallel)} if _gpu_count() else {}),
+        return {**part_resources(self.cfg, gpu=bool(_gpu_count()))["generator"],
                 **{k: float(v) for k, v in resources.items()}}
 
     def _place(self, request_id: int, resources: dict[str, float]) -> None:
@@ -347,7 +352,11 @@ class Job:
         at once, naming what it asked for and what the nodes have."""
         need = self._generator_needs(resources)
         nodes = [n["Resources"] for n in self.ray.nodes() if n["Alive"]]
-        if not any(all(node.get(k, 0.0) >= v for k, v in need.items()) for node in nodes):
+        if self.cfg.placement == "colocated":
+            state = ("refused: placement: colocated passes the weights through this node's shared memory, "
+                     "so its generators stay as started; add generators to a job with placement: auto or manual")
+            print(f"generator request {request_id} {state}", file=sys.stderr)
+        elif not any(all(node.get(k, 0.0) >= v for k, v in need.items()) for node in nodes):
             state = (f"refused: no node has {need}; the nodes have {nodes} (start one with those "
                      "resources: `ray start --address=... --resources=...`)")
             print(f"generator request {request_id} {state}", file=sys.stderr)

@@ -29,6 +29,12 @@ idles for the rest.
 
 Costs come from the config (`stage_costs`: defaults measured on the small preset) or
 from measurement (`async-rlhf bench` passes its stage bounds to its auto settings).
+
+One GPU cannot be split between the stages: there auto picks `placement: colocated` (colocate),
+in which one generator engine and one learner rank share the device, as TRL's colocated vLLM
+and verl's and OpenRLHF's hybrid engines do; unlike theirs, generation goes on while the learner
+steps (the staleness bound as everywhere), so the engine keeps its memory, bounded by
+generator.gpu_memory_utilization, instead of sleeping through each step.
 """
 
 from __future__ import annotations
@@ -83,26 +89,80 @@ def choose_placement(devices: int, gen_s: float, learn_s: float, *, shared: bool
     return Placement(n_gen, devices - n_gen, rate, why)
 
 
+# vLLM's share of the GPU's memory where it shares the device with the learner
+# (generator.gpu_memory_utilization auto): the learner's weights, gradients, optimizer state
+# and activations take the rest
+COLOCATED_ENGINE_MEMORY = 0.3
+
+
+def gpu_share(cfg: Config) -> float:
+    """The fraction of a GPU each part asks Ray for: colocated, the learner rank, the generator
+    and the evaluator (if any) share one, a like share each; else whole GPUs."""
+    return 1.0 / (2 + bool(cfg.eval.every)) if cfg.placement == "colocated" else 1.0
+
+
+def part_resources(cfg: Config, gpu: bool) -> dict[str, dict[str, float]]:
+    """The Ray resources of a learner rank, a generator (before its generator.resources) and the
+    evaluator: CPUs for their threads, and on GPU their engine's or rank's GPUs, whole or
+    (colocated) a share of one."""
+    share = gpu_share(cfg) if gpu else 0.0
+    engine = cfg.generator.tensor_parallel * share
+
+    def need(cpus: int, gpus: float) -> dict[str, float]:
+        return {"CPU": float(cpus), **({"GPU": gpus} if gpus else {})}
+
+    return {"learner": need(cfg.learner.threads, share), "generator": need(cfg.generator.threads, engine),
+            "evaluator": need(1, engine)}
+
+
+def colocate(cfg: Config, gpus: int) -> tuple[Config, str]:
+    """A colocated job (module doc) on `gpus` GPUs (0: CPU cores, which are time-shared anyway:
+    the counts stay the config's) and the line that says so; raises ConfigError where the counts
+    do not fit one GPU, naming them."""
+    g, lc = cfg.generator, cfg.learner
+    if gpus:
+        for key, value in (("generator.count", g.count), ("generator.tensor_parallel", g.tensor_parallel),
+                           ("learner.ranks", lc.ranks)):
+            if value != 1:
+                raise ConfigError(f"{key}={value}: placement: colocated shares one GPU between one generator "
+                                  f"engine and one learner rank, so it must be 1 (for more GPUs set "
+                                  f"placement: auto or manual)")
+        if g.gpu_memory_utilization == "auto":
+            cfg = dataclasses.replace(cfg, generator=dataclasses.replace(g, gpu_memory_utilization=COLOCATED_ENGINE_MEMORY))
+    share = gpu_share(cfg)
+    devices = f"{share:.2f} of the GPU each" if gpus else "the node's cores"
+    return cfg, (f"placement colocated: {cfg.generator.count} generator(s) and the learner's {lc.ranks} rank(s) "
+                 f"share {devices}{'' if not gpus else f', vLLM {cfg.generator.gpu_memory_utilization:.0%} of its memory'}; "
+                 "weights pass through shared memory" + (" (CUDA IPC)" if gpus else ""))
+
+
 def apply_placement(cfg: Config, devices: int, gpu: bool, memory: float | None = None,
                     sizes: Sizes | None = None) -> tuple[Config, str]:
     """`cfg` with generator.count/threads and learner.ranks/threads set by the rule (unchanged
     unless cfg.placement is auto), and a line saying what was chosen and why. The config returned
     says placement: manual, with those counts: saved (OUT/config.yaml), it reruns as it ran.
+    On one GPU auto chooses placement: colocated (colocate), which a config may also ask for.
 
     With `memory` (the bytes this node can give the job; None: not checked, e.g. on a cluster
     whose parts run elsewhere) and `sizes` (the model's shape...), the job must fit
     (launch/memory.py): auto takes the fastest of the settings that fit (fit_memory); a manual
     config that does not fit raises ConfigError with the estimate and the settings that would.
     On GPUs the devices' memory is not checked yet."""
-    if cfg.placement == "auto":
+    auto = cfg.placement == "auto"
+    if auto and gpu and devices == 1:
+        cfg = dataclasses.replace(cfg, placement="colocated", learner=dataclasses.replace(cfg.learner, threads=1),
+                                  generator=dataclasses.replace(cfg.generator, threads=1))
+    if cfg.placement == "colocated":
+        cfg, chosen = colocate(cfg, devices if gpu else 0)
+    elif auto:
         cfg, chosen = _by_costs(_scaled_costs(cfg, sizes), devices, gpu)
     else:
         chosen = ""
     if memory is None or sizes is None or gpu:
         return cfg, chosen
-    fitted, est = fit_memory(cfg, memory, sizes, auto=bool(chosen))
+    fitted, est = fit_memory(cfg, memory, sizes, auto=auto)
     if fitted is None:
-        raise ConfigError(_no_fit(cfg, est, memory, sizes, auto=bool(chosen)))
+        raise ConfigError(_no_fit(cfg, est, memory, sizes, auto=auto))
     changed = _changes(cfg, fitted)
     if chosen:
         chosen += f"\nmemory: {est.line()} of {memory / GB:.1f} GiB available"

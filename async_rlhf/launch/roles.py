@@ -430,7 +430,8 @@ class LearnerWorker:
                                temperature=cfg.generator.temperature, seed=cfg.seed)
         # the generators' weight dtype: the job's generators are on GPUs where its learner is
         wire = weights_dtype(cfg.generator, "cuda" if torch.cuda.is_available() else "cpu", cfg.model.dtype)
-        self.broadcaster = WeightBroadcaster(host=here, timeout_s=60, dtype=wire) if rank == 0 else None
+        passing = "ipc" if cfg.placement == "colocated" else None  # shared memory on this node; else a broadcast
+        self.broadcaster = WeightBroadcaster(host=here, backend=passing, timeout_s=60, dtype=wire) if rank == 0 else None
         self.learner = Learner(
             cfg.learner, backend, max_staleness=cfg.max_staleness, group_size=cfg.generator.group_size,
             queue=RedisExperienceQueue.from_config(cfg.queue, self.redis_url, consumer=f"learner-{rank}")
