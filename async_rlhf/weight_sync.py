@@ -251,7 +251,7 @@ def open_shared(handle: str, nbytes: int, device: torch.device) -> torch.Tensor:
 
 def pack(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
          dtype: torch.dtype | None = None, out: Buckets | None = None) -> tuple[list[list[Param]], Buckets]:
-    """Tensors as flat uint8 host buckets of about bucket_bytes: (per bucket its params, the
+    """Tensors as flat uint8 buckets of about bucket_bytes: (per bucket its params, the
     buckets). `dtype`: floating-point tensors are cast to it (the receiving engine's dtype) where
     they are, on the learner's device, before they leave it, so the host copy and the wire carry
     the engine's bytes. Each tensor is copied once, straight into its bucket: beyond the buckets

@@ -139,6 +139,16 @@ def test_one_gpu_is_colocated_and_its_parts_share_it_in_ray():
                                              "share the node's cores")
 
 
+def test_a_colocated_job_does_not_join_a_cluster(tmp_path, tiny_actor_model):
+    """Its weights pass through this node's shared memory: refused before anything starts."""
+    from async_rlhf.launch.launcher import Job
+
+    cfg = load_config(None, ["placement=colocated", f"model.path={tiny_actor_model}", f"out={tmp_path / 'job'}"])
+    with pytest.raises(ConfigError, match=r"cannot join a Ray cluster \(--ray-address\): set placement: auto or manual"):
+        Job(cfg, ray_address="10.0.0.1:6379").run()
+    assert not (tmp_path / "job").exists()
+
+
 def test_config_checks_placement_keys():
     with pytest.raises(ConfigError, match="placement must be one of 'manual', 'auto', 'colocated', got 'fast'"):
         load_config(None, ["placement=fast"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from async_rlhf.weight_sync import UpdateMeta, WeightBroadcaster, WeightReceiver, pack, unpack
+from async_rlhf.weight_sync import UpdateMeta, WeightBroadcaster, WeightReceiver, open_shared, pack, unpack
 
 
 def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
@@ -189,6 +189,11 @@ def test_member_killed_during_a_broadcast_costs_one_failure_and_the_next_epoch_f
     _delivered(sender, 3)
     assert sender.failures == 1
     sender.close()
+
+
+def test_a_shared_bucket_that_cannot_be_opened_names_the_cause():
+    with pytest.raises(RuntimeError, match="backend ipc needs every member on the learner's node"):
+        open_shared("/proc/999999999/fd/3", 64, torch.device("cpu"))
 
 
 def test_member_that_never_joins_is_reported_and_publish_goes_on():
