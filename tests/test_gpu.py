@@ -37,63 +37,48 @@ def _summary(named_tensors) -> list[tuple]:
     return [(n, t.dtype, tuple(t.shape), round(t.float().sum().item(), 3)) for n, t in named_tensors]
 
 
-def _member_on_gpu_1(commands, results):
-    torch.cuda.set_device(1)  # NCCL wants one GPU per member
-    receiver = WeightReceiver(*commands.get(timeout=60))  # joins: the group forms eagerly
+def _member_on_gpu(index, commands, results):
+    torch.cuda.set_device(index)  # NCCL wants one GPU per member; ipc shares the learner's
+    receiver = WeightReceiver(*commands.get(timeout=60))  # NCCL: joins, the group forms eagerly
     update = receiver.receive(commands.get(timeout=60))
     results.put((update.version, str(update.named_tensors[0][1].device), _summary(update.named_tensors)))
     receiver.close()
+
+
+def _one_update(sender, weights, version: int, gpu: int) -> tuple:
+    """`weights` published as `version` before a member on GPU `gpu` joins: what it received."""
+    ctx = mp.get_context("spawn")
+    commands, results = ctx.Queue(), ctx.Queue()
+    member = ctx.Process(target=_member_on_gpu, args=(gpu, commands, results), daemon=True)
+    member.start()
+    sender.publish(weights, version=version)  # kept until the group forms
+
+    def notify(meta):
+        commands.put(meta)
+        return lambda: None
+
+    commands.put((sender.open_epoch(2, notify), 1))
+    got = results.get(timeout=120)
+    sender.close()
+    member.join(30)
+    return got
 
 
 def test_nccl_broadcast_reaches_a_member_on_another_gpu():
     if torch.cuda.device_count() < 2:
         pytest.skip(f"NCCL needs a GPU per member: {torch.cuda.device_count()} here")
-    ctx = mp.get_context("spawn")
-    commands, results = ctx.Queue(), ctx.Queue()
-    member = ctx.Process(target=_member_on_gpu_1, args=(commands, results), daemon=True)
-    member.start()
     sender = WeightBroadcaster(timeout_s=60)
     assert sender.backend == "nccl"  # chosen by device
-    sender.publish(_weights(4), version=4)  # kept until the group forms
-
-    def notify(meta):
-        commands.put(meta)
-        return lambda: None
-
-    commands.put((sender.open_epoch(2, notify), 1))
-    version, device, got = results.get(timeout=120)
-    assert (version, device) == (4, "cuda:1") and got == _summary(_weights(4))
-    sender.close()
-    member.join(30)
-
-
-def _member_on_gpu_0(commands, results):
-    receiver = WeightReceiver(*commands.get(timeout=60))  # ipc: nothing to join
-    update = receiver.receive(commands.get(timeout=60))
-    results.put((update.version, str(update.named_tensors[0][1].device), _summary(update.named_tensors)))
-    receiver.close()
+    assert _one_update(sender, _weights(4), 4, gpu=1) == (4, "cuda:1", _summary(_weights(4)))
 
 
 def test_colocated_weights_pass_by_cuda_ipc_and_never_leave_the_gpu():
     """placement: colocated on one GPU: the learner packs each update into device memory that a
     member process on the same GPU opens by its CUDA IPC handle; no host bucket, no NCCL."""
-    ctx = mp.get_context("spawn")
-    commands, results = ctx.Queue(), ctx.Queue()
-    member = ctx.Process(target=_member_on_gpu_0, args=(commands, results), daemon=True)
-    member.start()
     sender = WeightBroadcaster(backend="ipc", timeout_s=60)
-    sender.publish([(n, t.cuda()) for n, t in _weights(5)], version=5)
+    weights = [(n, t.cuda()) for n, t in _weights(5)]
+    assert _one_update(sender, weights, 5, gpu=0) == (5, "cuda:0", _summary(_weights(5)))
     assert all(b.device.type == "cuda" for b in sender._last[2])
-
-    def notify(meta):
-        commands.put(meta)
-        return lambda: None
-
-    commands.put((sender.open_epoch(2, notify), 1))
-    version, device, got = results.get(timeout=120)
-    assert (version, device) == (5, "cuda:0") and got == _summary(_weights(5))
-    sender.close()
-    member.join(30)
 
 
 def _member_that_dies_on_gpu_1(commands):
