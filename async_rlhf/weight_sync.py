@@ -202,29 +202,38 @@ class Buckets(list):
 
 
 class SharedBuckets(Buckets):
-    """Packed buckets that processes on this node open by `handles` (backend ipc), valid while
-    this list lives: on CPU memory files (memfd) that members map through /proc/PID/fd, closed
-    with the list; on `device` a GPU, device memory exported by CUDA IPC."""
+    """Packed buckets that processes on this node open by handle (backend ipc), valid while this
+    list lives: on CPU memory files (memfd) that members map through /proc/PID/fd, closed with
+    the list; on `device` a GPU, device memory exported by CUDA IPC."""
 
     def __init__(self, device: torch.device):
         super().__init__()
         self.device = device
-        self.handles: list[str] = []
+        self._files: list[str] = []  # CPU: each bucket's /proc path and the file's inode
         self._fds: list[int] = []
         weakref.finalize(self, _close_fds, self._fds)
 
     def empty(self, nbytes: int) -> torch.Tensor:
         if self.device.type == "cuda":
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            bucket = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self.handles.append(base64.b64encode(pickle.dumps(reduce_tensor(bucket)[1])).decode())
-            return bucket
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         fd = os.memfd_create("async-rlhf-weights", os.MFD_CLOEXEC)
         self._fds.append(fd)
         os.ftruncate(fd, nbytes)
-        self.handles.append(f"/proc/{os.getpid()}/fd/{fd}")
+        # the inode: a member that opens the path after this file closed, when its number may
+        # name a newer bucket, refuses it rather than load another version's bytes
+        self._files.append(f"/proc/{os.getpid()}/fd/{fd}@{os.fstat(fd).st_ino}")
         return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+
+    def handles(self) -> list[str]:
+        """Each bucket's handle, for one send. CUDA IPC exports are made per send: torch frees an
+        exported block only once a member has opened and released it, so a version that is
+        superseded before any member opens it is never exported."""
+        if self.device.type != "cuda":
+            return self._files
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        torch.cuda.synchronize(self.device)  # the packing's copies are done before a member reads
+        return [base64.b64encode(pickle.dumps(reduce_tensor(bucket)[1])).decode() for bucket in self]
 
 
 def _close_fds(fds: list[int]) -> None:
@@ -237,11 +246,19 @@ def open_shared(handle: str, nbytes: int, device: torch.device) -> torch.Tensor:
     (copy-on-write) on CPU, no byte copied; on a GPU rebuilt from its CUDA IPC handle on this
     process's `device` (the same physical GPU)."""
     if handle.startswith("/proc/"):
+        path, _, inode = handle.rpartition("@")
         try:
-            return torch.from_file(handle, shared=False, size=nbytes, dtype=torch.uint8)
-        except RuntimeError as e:
-            raise RuntimeError(f"weight bucket {handle} could not be opened ({e}): backend ipc needs "
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise RuntimeError(f"weight bucket {path} could not be opened ({e}): backend ipc needs "
                                "every member on the learner's node, as the same user") from e
+        try:
+            if os.fstat(fd).st_ino != int(inode):
+                raise RuntimeError(f"weight bucket {path} is no longer the one this update named: the "
+                                   "learner let go of it (a later version was published)")
+            return torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=nbytes, dtype=torch.uint8)
+        finally:
+            os.close(fd)  # the mapping keeps the memory
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     args = list(pickle.loads(base64.b64decode(handle)))
@@ -416,8 +433,9 @@ class WeightBroadcaster:
                 epoch, (version, metas, buckets) = self._due(), self._last
                 epoch.sending = True
                 self._state.notify_all()
-            shared = buckets.handles if isinstance(buckets, SharedBuckets) else None
+            shared = buckets.handles() if isinstance(buckets, SharedBuckets) else None
             self._send(epoch, UpdateMeta(epoch.address.epoch, version, metas, shared), buckets)
+            del metas, buckets, shared  # sent: only self._last may hold it now
 
     def _send(self, epoch: _Epoch, meta: UpdateMeta, buckets: Buckets) -> None:
         device = _device(self.backend)

@@ -131,6 +131,8 @@ def test_one_gpu_is_colocated_and_its_parts_share_it_in_ray():
     finally:
         ray.shutdown()
 
+    with pytest.raises(ValueError, match="at least 2 device"):  # joining a cluster: never colocated
+        apply_placement(load_config(None), devices=1, gpu=True, one_node=False)
     with pytest.raises(ConfigError, match=r"generator.tensor_parallel=2: placement: colocated shares one GPU"):
         apply_placement(load_config(None, ["generator.tensor_parallel=2"]), devices=1, gpu=True)
     cpu = load_config(None, ["placement=colocated", "generator.count=2", "learner.threads=2"])

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from async_rlhf.weight_sync import UpdateMeta, WeightBroadcaster, WeightReceiver, open_shared, pack, unpack
+from async_rlhf.weight_sync import (SharedBuckets, UpdateMeta, WeightBroadcaster, WeightReceiver, open_shared, pack,
+                                   unpack)
 
 
 def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
@@ -191,9 +192,19 @@ def test_member_killed_during_a_broadcast_costs_one_failure_and_the_next_epoch_f
     sender.close()
 
 
-def test_a_shared_bucket_that_cannot_be_opened_names_the_cause():
+def test_a_shared_bucket_that_cannot_be_opened_or_was_let_go_names_the_cause():
     with pytest.raises(RuntimeError, match="backend ipc needs every member on the learner's node"):
-        open_shared("/proc/999999999/fd/3", 64, torch.device("cpu"))
+        open_shared("/proc/999999999/fd/3@1", 64, torch.device("cpu"))
+    old = SharedBuckets(torch.device("cpu"))
+    old.empty(64)
+    (handle,) = old.handles()
+    assert open_shared(handle, 64, torch.device("cpu")).numel() == 64
+    del old  # its file closes; a newer bucket may take the same descriptor number
+    new = SharedBuckets(torch.device("cpu"))
+    new.empty(64)
+    assert new.handles()[0].rpartition("@")[0] == handle.rpartition("@")[0]
+    with pytest.raises(RuntimeError, match="no longer the one this update named"):
+        open_shared(handle, 64, torch.device("cpu"))
 
 
 def test_member_that_never_joins_is_reported_and_publish_goes_on():

@@ -124,7 +124,7 @@ class Job:
         # every part on this node (the job's own Ray head): what it can give must hold them
         local = self.ray_address is None
         self.sizes = Sizes(ModelShape.of(self.cfg), bf16_native("cuda" if gpus else "cpu"), self.prompt_chars)
-        self.cfg, self.placement_line = apply_placement(self.cfg, devices, gpu=gpus > 0,
+        self.cfg, self.placement_line = apply_placement(self.cfg, devices, gpu=gpus > 0, one_node=local,
                                                         memory=host_memory() if local else None, sizes=self.sizes)
         cfg = self.cfg
         if cfg.placement == "colocated" and not local:

@@ -137,11 +137,12 @@ def colocate(cfg: Config, gpus: int) -> tuple[Config, str]:
 
 
 def apply_placement(cfg: Config, devices: int, gpu: bool, memory: float | None = None,
-                    sizes: Sizes | None = None) -> tuple[Config, str]:
+                    sizes: Sizes | None = None, one_node: bool = True) -> tuple[Config, str]:
     """`cfg` with generator.count/threads and learner.ranks/threads set by the rule (unchanged
     unless cfg.placement is auto), and a line saying what was chosen and why. The config returned
     says placement: manual, with those counts: saved (OUT/config.yaml), it reruns as it ran.
-    On one GPU auto chooses placement: colocated (colocate), which a config may also ask for.
+    On one GPU auto chooses placement: colocated (colocate), which a config may also ask for;
+    not where the job joins a cluster (`one_node` False), whose parts a colocated job cannot span.
 
     With `memory` (the bytes this node can give the job; None: not checked, e.g. on a cluster
     whose parts run elsewhere) and `sizes` (the model's shape...), the job must fit
@@ -149,7 +150,7 @@ def apply_placement(cfg: Config, devices: int, gpu: bool, memory: float | None =
     config that does not fit raises ConfigError with the estimate and the settings that would.
     On GPUs the devices' memory is not checked yet."""
     auto = cfg.placement == "auto"
-    if auto and gpu and devices == 1:
+    if auto and gpu and devices == 1 and one_node:
         cfg = dataclasses.replace(cfg, placement="colocated", learner=dataclasses.replace(cfg.learner, threads=1),
                                   generator=dataclasses.replace(cfg.generator, threads=1))
     if cfg.placement == "colocated":
